@@ -1,0 +1,248 @@
+"""Typed, frozen, validated configuration.
+
+Dimension letters used across the package (named once, here):
+  B batch, T query length, S cache (key) length, D model width, N query heads,
+  G kv heads, H head dim, F MLP width, V vocabulary, K MTP heads, L layers.
+
+Named configurations live in `configs/*.py` as ml_collections ConfigDicts (so that the CLI can
+override any field with `--config.section.field=value`); `Config.from_dict` turns one into these
+dataclasses and validates every field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+  """An impossible configuration value; the message names the field and the value."""
+
+
+def _fail(field: str, value: Any, why: str):
+  raise ConfigError(f"{field}={value!r}: {why}")
+
+
+def _positive(obj, *names):
+  prefix = type(obj).SECTION
+  for name in names:
+    value = getattr(obj, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      _fail(f"{prefix}.{name}", value, "must be an integer >= 1")
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """The trunk: a Llama-style decoder."""
+  SECTION = "model"
+  vocab_size: int = 512
+  d_model: int = 64
+  n_layers: int = 2
+  n_heads: int = 4
+  n_kv_heads: int = 2
+  d_ff: int = 192
+  max_seq_len: int = 256
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-6
+  tie_embeddings: bool = True
+  # Storage dtype of parameters; 'auto' compute dtype means f32 on CPU, bf16 elsewhere.
+  param_dtype: str = "float32"
+  dtype: str = "auto"
+
+  def __post_init__(self):
+    _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+              "max_seq_len")
+    if self.d_model % self.n_heads:
+      _fail("model.n_heads", self.n_heads, f"must divide model.d_model={self.d_model}")
+    if self.n_heads % self.n_kv_heads:
+      _fail("model.n_kv_heads", self.n_kv_heads, f"must divide model.n_heads={self.n_heads}")
+    if (self.d_model // self.n_heads) % 2:
+      _fail("model.n_heads", self.n_heads,
+            f"head dim d_model/n_heads={self.d_model // self.n_heads} must be even for RoPE")
+    if not self.rope_theta > 0:
+      _fail("model.rope_theta", self.rope_theta, "must be > 0")
+    if not 0 < self.norm_eps < 1:
+      _fail("model.norm_eps", self.norm_eps, "must be in (0, 1)")
+    if self.param_dtype not in DTYPES:
+      _fail("model.param_dtype", self.param_dtype, f"must be one of {DTYPES}")
+    if self.dtype not in DTYPES + ("auto",):
+      _fail("model.dtype", self.dtype, f"must be 'auto' or one of {DTYPES}")
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_heads
+
+
+HEAD_KINDS = ("parallel", "sequential")
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsConfig:
+  """Multi-token-prediction heads: head i (1..K) predicts token t+1+i from h_t."""
+  SECTION = "heads"
+  kind: str = "parallel"
+  num: int = 3
+
+  def __post_init__(self):
+    if self.kind not in HEAD_KINDS:
+      _fail("heads.kind", self.kind, f"must be one of {HEAD_KINDS}")
+    if self.kind == "sequential":
+      _fail("heads.kind", self.kind, "sequential heads are not implemented yet; use 'parallel'")
+    _positive(self, "num")
+
+
+MODES = ("joint", "heads_only")
+DISTILL_SOURCES = ("corpus", "generated")
+DISTILL_TARGETS = ("hard", "soft")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """A corpus is a directory of text files; '' means the running Python's standard library."""
+  SECTION = "data"
+  corpus_dir: str = ""
+  glob: str = "**/*.py"
+  exclude: str = "site-packages"    # path fragment whose files are skipped
+  heldout_permille: int = 20        # files whose path hash falls below this go to held-out
+  max_files: int = 0                # 0 = all files (sorted by path, then capped)
+  tokenizer_train_bytes: int = 8_000_000
+  seq_len: int = 128                # positions trained per window (heads see K more tokens)
+  seed: int = 0
+
+  def __post_init__(self):
+    _positive(self, "seq_len", "tokenizer_train_bytes")
+    if not 0 <= self.heldout_permille < 1000:
+      _fail("data.heldout_permille", self.heldout_permille, "must be in [0, 1000)")
+    if self.max_files < 0:
+      _fail("data.max_files", self.max_files, "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  SECTION = "train"
+  mode: str = "joint"
+  init_from: str = ""               # a model directory to start from (required by heads_only)
+  batch_size: int = 8
+  steps: int = 100
+  lr: float = 3e-3
+  warmup_steps: int = 10
+  min_lr_ratio: float = 0.1
+  weight_decay: float = 0.1
+  grad_clip: float = 1.0
+  head_loss_weight: float = 1.0     # lambda in trunk_loss + lambda * mean(head losses)
+  head_loss_stride: int = 1         # train heads on every n-th position (cheaper steps)
+  distill_source: str = "generated" # heads_only targets: along corpus text or the trunk's own text
+  distill_target: str = "hard"      # trunk argmax (hard) or the trunk's distribution (soft)
+  distill_prompt_len: int = 32      # corpus prompt length before the trunk's continuation
+  checkpoint_every: int = 50
+  keep_checkpoints: int = 2
+  eval_every: int = 50
+  eval_batches: int = 4
+  log_every: int = 10
+  seed: int = 0
+  save_dtype: str = "float32"       # dtype of the parameters in the exported model directory
+
+  def __post_init__(self):
+    if self.mode not in MODES:
+      _fail("train.mode", self.mode, f"must be one of {MODES}")
+    _positive(self, "batch_size", "steps", "head_loss_stride", "checkpoint_every", "keep_checkpoints", "eval_every",
+              "eval_batches", "log_every", "distill_prompt_len")
+    if not self.lr > 0:
+      _fail("train.lr", self.lr, "must be > 0")
+    if self.warmup_steps < 0:
+      _fail("train.warmup_steps", self.warmup_steps, "must be >= 0")
+    if not 0 <= self.min_lr_ratio <= 1:
+      _fail("train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+    if self.weight_decay < 0:
+      _fail("train.weight_decay", self.weight_decay, "must be >= 0")
+    if not self.grad_clip > 0:
+      _fail("train.grad_clip", self.grad_clip, "must be > 0")
+    if self.head_loss_weight < 0:
+      _fail("train.head_loss_weight", self.head_loss_weight, "must be >= 0")
+    if self.distill_source not in DISTILL_SOURCES:
+      _fail("train.distill_source", self.distill_source, f"must be one of {DISTILL_SOURCES}")
+    if self.distill_target not in DISTILL_TARGETS:
+      _fail("train.distill_target", self.distill_target, f"must be one of {DISTILL_TARGETS}")
+    if self.save_dtype not in DTYPES:
+      _fail("train.save_dtype", self.save_dtype, f"must be one of {DTYPES}")
+    if self.mode == "heads_only" and not self.init_from:
+      _fail("train.init_from", self.init_from,
+            "heads_only training needs a model directory whose trunk it keeps frozen")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  model: ModelConfig = ModelConfig()
+  heads: HeadsConfig = HeadsConfig()
+  data: DataConfig = DataConfig()
+  train: TrainConfig = TrainConfig()
+
+  def __post_init__(self):
+    # The trunk runs on seq_len + K positions so that every head has targets.
+    if self.data.seq_len + self.heads.num > self.model.max_seq_len:
+      _fail("data.seq_len", self.data.seq_len,
+            f"plus heads.num={self.heads.num} must be <= model.max_seq_len={self.model.max_seq_len}")
+    if self.train.mode == "heads_only" and self.train.distill_source == "generated":
+      if self.train.distill_prompt_len >= self.data.seq_len:
+        _fail("train.distill_prompt_len", self.train.distill_prompt_len,
+              f"must be < data.seq_len={self.data.seq_len}")
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "Config":
+    d = dict(d)
+    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+      raise ConfigError(f"unknown config section(s): {sorted(unknown)}")
+    sections = {}
+    for f in dataclasses.fields(cls):
+      sub = dict(d.get(f.name, {}) or {})
+      sections[f.name] = _build(f.type if not isinstance(f.type, str) else _SECTION_TYPES[f.name],
+                                f.name, sub)
+    return cls(**sections)
+
+  def to_dict(self) -> dict:
+    return {f.name: _section_dict(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+_SECTION_TYPES = {"model": ModelConfig, "heads": HeadsConfig, "data": DataConfig,
+                  "train": TrainConfig}
+
+
+def _section_dict(obj) -> dict:
+  return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def _build(typ, section: str, values: Mapping[str, Any]):
+  names = {f.name: f for f in dataclasses.fields(typ)}
+  unknown = set(values) - set(names)
+  if unknown:
+    raise ConfigError(f"unknown field(s) in {section}: {sorted(unknown)}")
+  kwargs = {}
+  for name, value in values.items():
+    default = getattr(typ, name)
+    # Coerce int -> float where the field is a float; reject anything else of the wrong type.
+    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+      value = float(value)
+    if type(default) is not type(value):
+      raise ConfigError(f"{section}.{name}={value!r}: must be of type {type(default).__name__}")
+    kwargs[name] = value
+  return typ(**kwargs)
+
+
+def model_dir_config(cfg: Config) -> dict:
+  """The part of the config that defines a model directory (config.json)."""
+  return {"model": _section_dict(cfg.model), "heads": _section_dict(cfg.heads)}
+
+
+def load_model_dir_config(text: str, source: str = "config.json") -> tuple[ModelConfig, HeadsConfig]:
+  try:
+    d = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"{source}: not valid JSON ({e})") from None
+  if not isinstance(d, dict) or "model" not in d or "heads" not in d:
+    raise ConfigError(f"{source}: must be an object with 'model' and 'heads' sections")
+  return _build(ModelConfig, "model", d["model"]), _build(HeadsConfig, "heads", d["heads"])

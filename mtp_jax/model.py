@@ -1,0 +1,202 @@
+"""Llama-style trunk (RMSNorm, RoPE, grouped-query attention, SwiGLU) plus MTP heads, in Flax NNX.
+
+`MTPModel.__call__(tokens_BT, positions_BT, cache)` is the one forward pass used by training
+(cache=None), prefill and verification. It returns the final (normed) hidden states, which the
+heads read directly, and the updated cache. Positions of a row's T tokens are consecutive.
+
+For jit, the engine and the trainer hold parameters as a pure dict {'trunk': ..., 'heads': ...}
+and rebuild the module inside the traced function with `bind(graphdef, params)`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp_jax import cache as kv
+from mtp_jax.config import HeadsConfig, ModelConfig
+
+
+def compute_dtype(cfg: ModelConfig):
+  if cfg.dtype != "auto":
+    return jnp.dtype(cfg.dtype)
+  # XLA:CPU bf16 matrix-vector products are far slower than f32 ones; see design.md.
+  return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def _init(scale: float):
+  return nnx.initializers.normal(stddev=scale)
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim: int, eps: float, param_dtype):
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+    self.eps = eps
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x_BTnH, positions_BT, theta: float):
+  """Rotary embedding (rotate-half form), computed in f32."""
+  h = x_BTnH.shape[-1]
+  freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)
+  angle_BTh = positions_BT[..., None].astype(jnp.float32) * freq
+  sin, cos = jnp.sin(angle_BTh)[:, :, None, :], jnp.cos(angle_BTh)[:, :, None, :]
+  x = x_BTnH.astype(jnp.float32)
+  x1, x2 = x[..., : h // 2], x[..., h // 2:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BTnH.dtype)
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, n, g, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    pd = jnp.dtype(cfg.param_dtype)
+    self.cfg = cfg
+    self.wq_DNH = nnx.Param(_init(d ** -0.5)(rngs.params(), (d, n, h), pd))
+    self.wk_DGH = nnx.Param(_init(d ** -0.5)(rngs.params(), (d, g, h), pd))
+    self.wv_DGH = nnx.Param(_init(d ** -0.5)(rngs.params(), (d, g, h), pd))
+    self.wo_NHD = nnx.Param(_init((n * h) ** -0.5 / (2 * cfg.n_layers) ** 0.5)(
+        rngs.params(), (n, h, d), pd))
+
+  def __call__(self, x_BTD, pos_BT, cache_kv=None):
+    cfg, dt = self.cfg, x_BTD.dtype
+    q = jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq_DNH[...].astype(dt))
+    k = jnp.einsum("BTD,DGH->BTGH", x_BTD, self.wk_DGH[...].astype(dt))
+    v = jnp.einsum("BTD,DGH->BTGH", x_BTD, self.wv_DGH[...].astype(dt))
+    q, k = rope(q, pos_BT, cfg.rope_theta), rope(k, pos_BT, cfg.rope_theta)
+    if cache_kv is None:
+      keys, values, kpos_BS = k, v, pos_BT
+    else:
+      ck, cv = cache_kv
+      ck, cv = kv.write(ck, k, pos_BT[:, 0]), kv.write(cv, v, pos_BT[:, 0])
+      cache_kv = (ck, cv)
+      keys, values = ck.astype(dt), cv.astype(dt)
+      kpos_BS = jnp.broadcast_to(jnp.arange(ck.shape[1]), (x_BTD.shape[0], ck.shape[1]))
+    b, t, n, h = q.shape
+    g = cfg.n_kv_heads
+    q_BTGRH = q.reshape(b, t, g, n // g, h)
+    logits = jnp.einsum("BTGRH,BSGH->BGRTS", q_BTGRH, keys).astype(jnp.float32) * h ** -0.5
+    mask_BTS = kpos_BS[:, None, :] <= pos_BT[:, :, None]
+    logits = jnp.where(mask_BTS[:, None, None], logits, -1e30)
+    probs = jax.nn.softmax(logits, axis=-1).astype(dt)
+    out = jnp.einsum("BGRTS,BSGH->BTGRH", probs, values).reshape(b, t, n, h)
+    return jnp.einsum("BTNH,NHD->BTD", out, self.wo_NHD[...].astype(dt)), cache_kv
+
+
+class MLP(nnx.Module):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, f = cfg.d_model, cfg.d_ff
+    pd = jnp.dtype(cfg.param_dtype)
+    self.gate_DF = nnx.Param(_init(d ** -0.5)(rngs.params(), (d, f), pd))
+    self.up_DF = nnx.Param(_init(d ** -0.5)(rngs.params(), (d, f), pd))
+    self.down_FD = nnx.Param(_init(f ** -0.5 / (2 * cfg.n_layers) ** 0.5)(rngs.params(), (f, d), pd))
+
+  def __call__(self, x_BTD):
+    dt = x_BTD.dtype
+    gate = jnp.einsum("BTD,DF->BTF", x_BTD, self.gate_DF[...].astype(dt))
+    up = jnp.einsum("BTD,DF->BTF", x_BTD, self.up_DF[...].astype(dt))
+    return jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, self.down_FD[...].astype(dt))
+
+
+class Block(nnx.Module):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    pd = jnp.dtype(cfg.param_dtype)
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+    self.attn = Attention(cfg, rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x_BTD, pos_BT, cache_kv=None):
+    y, cache_kv = self.attn(self.attn_norm(x_BTD), pos_BT, cache_kv)
+    x_BTD = x_BTD + y
+    return x_BTD + self.mlp(self.mlp_norm(x_BTD)), cache_kv
+
+
+class Trunk(nnx.Module):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    pd = jnp.dtype(cfg.param_dtype)
+    self.cfg = cfg
+    self.embed_VD = nnx.Param(_init(1.0)(rngs.params(), (cfg.vocab_size, cfg.d_model), pd))
+    self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+    if not cfg.tie_embeddings:
+      self.unembed_DV = nnx.Param(_init(cfg.d_model ** -0.5)(
+          rngs.params(), (cfg.d_model, cfg.vocab_size), pd))
+
+  def embed(self, tokens_BT):
+    return jnp.take(self.embed_VD[...], tokens_BT, axis=0).astype(compute_dtype(self.cfg))
+
+  def unembed(self, h_xD):
+    """Logits in f32 for hidden states of any leading shape."""
+    h = h_xD.astype(jnp.float32)
+    if self.cfg.tie_embeddings:
+      # Tied: scale so that logits start at unit scale although embeddings have unit variance.
+      return jnp.einsum("...D,VD->...V", h, self.embed_VD[...].astype(jnp.float32)) * (
+          self.cfg.d_model ** -0.5)
+    return jnp.einsum("...D,DV->...V", h, self.unembed_DV[...].astype(jnp.float32))
+
+  def __call__(self, tokens_BT, pos_BT, cache: kv.KVCache | None = None):
+    x = self.embed(tokens_BT)
+    new_k, new_v = [], []
+    for i, block in enumerate(self.blocks):
+      layer_cache = None if cache is None else (cache.k[i], cache.v[i])
+      x, layer_cache = block(x, pos_BT, layer_cache)
+      if cache is not None:
+        new_k.append(layer_cache[0])
+        new_v.append(layer_cache[1])
+    new_cache = None if cache is None else kv.KVCache(k=tuple(new_k), v=tuple(new_v))
+    return self.final_norm(x), new_cache
+
+
+class MTPModel(nnx.Module):
+  """The trunk and its multi-token heads."""
+
+  def __init__(self, cfg: ModelConfig, heads_cfg: HeadsConfig, rngs: nnx.Rngs):
+    from mtp_jax import heads  # heads import model's building blocks
+    self.cfg, self.heads_cfg = cfg, heads_cfg
+    self.trunk = Trunk(cfg, rngs)
+    self.heads = heads.make_heads(cfg, heads_cfg, rngs)
+
+  def __call__(self, tokens_BT, pos_BT, cache: kv.KVCache | None = None):
+    return self.trunk(tokens_BT, pos_BT, cache)
+
+  def logits(self, h_xD):
+    return self.trunk.unembed(h_xD)
+
+  def head_hidden(self, h_BTD):
+    """Hidden states of all K heads, [B, T, K, D]."""
+    return self.heads(h_BTD)
+
+  def head_logits(self, h_BTD):
+    """Logits of all K heads, [B, T, K, V]: one unembedding matmul for all heads."""
+    return self.trunk.unembed(self.heads(h_BTD))
+
+
+def create(cfg: ModelConfig, heads_cfg: HeadsConfig, seed: int = 0) -> MTPModel:
+  return MTPModel(cfg, heads_cfg, nnx.Rngs(params=seed))
+
+
+def split(model: MTPModel):
+  """-> (graphdef, params as a pure dict)."""
+  graphdef, state = nnx.split(model)
+  return graphdef, nnx.to_pure_dict(state)
+
+
+def bind(graphdef, params) -> MTPModel:
+  return nnx.merge(graphdef, params)
+
+
+def abstract(cfg: ModelConfig, heads_cfg: HeadsConfig):
+  """-> (graphdef, params as ShapeDtypeStructs) without allocating anything."""
+  abs_model = nnx.eval_shape(lambda: create(cfg, heads_cfg))
+  graphdef, state = nnx.split(abs_model)
+  return graphdef, nnx.to_pure_dict(state)
+
+
+def count_params(params) -> int:
+  return sum(int(x.size) for x in jax.tree.leaves(params))

@@ -1,0 +1,67 @@
+"""Byte-level BPE with HF `tokenizers`: train on a corpus, save and load `tokenizer.json`."""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Sequence
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+EOD = "<|endoftext|>"
+PAD = "<|pad|>"
+SPECIAL_TOKENS = (EOD, PAD)
+
+
+class Tokenizer:
+  """A thin wrapper that knows the special tokens the product relies on."""
+
+  def __init__(self, hf: HFTokenizer, source: str = "<memory>"):
+    self.hf = hf
+    self.eod_id = hf.token_to_id(EOD)
+    self.pad_id = hf.token_to_id(PAD)
+    if self.eod_id is None:
+      raise ValueError(f"{source}: tokenizer has no end-of-document token {EOD!r}")
+    if self.pad_id is None:
+      self.pad_id = self.eod_id
+
+  @property
+  def vocab_size(self) -> int:
+    return self.hf.get_vocab_size()
+
+  def encode(self, text: str) -> list[int]:
+    return self.hf.encode(text).ids
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return [e.ids for e in self.hf.encode_batch(list(texts))]
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self.hf.decode(list(ids), skip_special_tokens=True)
+
+  def save(self, path: str):
+    self.hf.save(path)
+
+  @classmethod
+  def load(cls, path: str) -> "Tokenizer":
+    if not os.path.exists(path):
+      raise FileNotFoundError(f"tokenizer file not found: {path}")
+    try:
+      hf = HFTokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+      raise ValueError(f"{path}: not a valid tokenizer.json ({e})") from None
+    return cls(hf, source=path)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+  """Trains a byte-level BPE (no unknown tokens: every byte has a token) with EOD and PAD."""
+  hf = HFTokenizer(models.BPE())
+  hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  hf.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+      vocab_size=vocab_size,
+      special_tokens=list(SPECIAL_TOKENS),
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+      show_progress=False,
+  )
+  hf.train_from_iterator(texts, trainer=trainer)
+  return Tokenizer(hf)

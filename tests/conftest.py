@@ -1,0 +1,27 @@
+"""Shared fixtures: the tiny configuration and one trained tiny workdir per test session."""
+
+import os
+
+import pytest
+
+from configs import tiny
+from mtp_jax import config as config_lib
+from mtp_jax import train_lib
+
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
+
+
+def tiny_config(**sections) -> config_lib.Config:
+  d = tiny.get_config().to_dict()
+  for section, fields in sections.items():
+    d[section].update(fields)
+  return config_lib.Config.from_dict(d)
+
+
+@pytest.fixture(scope="session")
+def trained_tiny(tmp_path_factory):
+  """A tiny joint run (the `mtp-train --config=configs/tiny.py` recipe, fewer steps)."""
+  workdir = str(tmp_path_factory.mktemp("tiny_run"))
+  cfg = tiny_config(train={"steps": 40, "eval_every": 40, "checkpoint_every": 20})
+  result = train_lib.train(cfg, workdir, log=lambda s: None)
+  return cfg, workdir, result

@@ -175,6 +175,36 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  """Static shapes of the decode engine: changing any of these compiles a new engine."""
+  SECTION = "decode"
+  batch_size: int = 8               # slots B
+  max_len: int = 0                  # cache length S_max; 0 = the model's max_seq_len
+  k: int = -1                       # drafts verified per step; -1 = all heads, 0 = plain decoding
+  ring_size: int = 32               # steps per generate call (ring capacity R)
+  min_bucket: int = 16              # smallest prefill bucket (buckets are powers of two)
+
+  def __post_init__(self):
+    _positive(self, "batch_size", "ring_size", "min_bucket")
+    if self.max_len < 0:
+      _fail("decode.max_len", self.max_len, "must be >= 0")
+    if self.k < -1:
+      _fail("decode.k", self.k, "must be -1 (all heads), 0 (plain decoding) or a head count")
+
+  def resolve(self, model: "ModelConfig", heads: "HeadsConfig") -> "DecodeConfig":
+    """Fills the defaults from a model and checks the values against it."""
+    max_len = self.max_len or model.max_seq_len
+    if max_len > model.max_seq_len:
+      _fail("decode.max_len", self.max_len, f"must be <= model.max_seq_len={model.max_seq_len}")
+    k = heads.num if self.k == -1 else self.k
+    if k > heads.num:
+      _fail("decode.k", self.k, f"must be <= heads.num={heads.num}")
+    if max_len <= k + 1:
+      _fail("decode.max_len", max_len, f"must be > k + 1 = {k + 1}")
+    return dataclasses.replace(self, max_len=max_len, k=k)
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   model: ModelConfig = ModelConfig()
   heads: HeadsConfig = HeadsConfig()

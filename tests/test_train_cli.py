@@ -18,7 +18,7 @@ def test_cli_trains_tiny_and_writes_a_model_dir(tmp_path):
   assert r.returncode == 0, r.stderr[-3000:]
   assert "step 12/12" in r.stderr and "tok/s" in r.stderr and "ETA" in r.stderr
   mcfg, hcfg, params, tok = C.load_model_dir(os.path.join(wd, "model"))
-  assert mcfg.d_model == 64 and hcfg.num == 3
+  assert mcfg.d_model == 64 and hcfg.num == 4
   assert os.path.exists(os.path.join(wd, "metrics.jsonl"))
 
 

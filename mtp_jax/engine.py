@@ -1,0 +1,291 @@
+"""The speculative decode engine: prefill / insert / generate over a fixed-shape DecodeState.
+
+One step, for every row at once (k drafts; k = 0 is plain decoding through the same code):
+  1. input [last committed token, d_1..d_k] at positions length-1 .. length-1+k;
+  2. the trunk runs the k+1 tokens, writing their K/V into the cache at those positions;
+  3. verification keeps the longest acceptable draft prefix and adds one token from the trunk;
+  4. commit: the accepted tokens are written and the length advances (rejected drafts are rolled
+     back by the length alone: their K/V is masked and later overwritten);
+  5. the heads read the hidden state at the last accepted position and draft the next k tokens;
+  6. the step's record goes into the ring.
+`generate` runs these steps in one jitted `lax.while_loop` (state donated) until `num_steps`
+steps ran or every row is done. Rows stop at the end-of-document token, at their own
+max_new_tokens, or when the cache is full.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from mtp_jax import cache as kv
+from mtp_jax import model as model_lib
+from mtp_jax import ring as ring_lib
+from mtp_jax import sampling
+from mtp_jax.config import DecodeConfig, HeadsConfig, ModelConfig
+
+
+@struct.dataclass
+class DecodeState:
+  tokens: jax.Array        # [B, S] int32: prompt then generated tokens
+  length: jax.Array        # [B] committed tokens (prompt included)
+  prompt_len: jax.Array    # [B]
+  stop_len: jax.Array      # [B] the length at which the row is finished
+  done: jax.Array          # [B] bool (free slots are done)
+  drafts: jax.Array        # [B, Kd] drafts for the next step
+  draft_logq: jax.Array    # [B, Kd, V] the heads' processed log-probabilities of those drafts
+  cache: kv.KVCache
+  key: jax.Array
+  temperature: jax.Array   # [B] f32, 0 = greedy
+  top_k: jax.Array         # [B] int32, 0 = off
+  top_p: jax.Array         # [B] f32, 1 = off
+  ring: ring_lib.Ring
+  step: jax.Array          # [] steps run since init (indexes the ring)
+  row_steps: jax.Array     # [B] decode steps while the row was active
+  row_emitted: jax.Array   # [B] tokens emitted by decode steps
+  drafted: jax.Array       # [Kd] drafts verified, per draft position
+  accepted: jax.Array      # [Kd] drafts accepted, per draft position
+
+
+@struct.dataclass
+class Prefix:
+  """The result of prefilling n prompts padded to one bucket: cache rows, the first token."""
+  tokens: jax.Array        # [n, P]
+  length: jax.Array        # [n] true prompt lengths
+  cache: kv.KVCache        # [n, P, G, H] per layer
+  first: jax.Array         # [n] the first generated token
+  drafts: jax.Array        # [n, Kd]
+  draft_logq: jax.Array    # [n, Kd, V]
+
+
+class Engine:
+  """Compiled prefill / insert / generate for one model and one DecodeConfig.
+
+  Greedy and sampling steps are two compiled variants of generate, chosen per call by whether
+  any row samples; both are compiled at warm-up, so sampling parameters never recompile.
+  """
+
+  def __init__(self, model_cfg: ModelConfig, heads_cfg: HeadsConfig, decode_cfg: DecodeConfig,
+               eod_id: int):
+    self.model_cfg, self.heads_cfg = model_cfg, heads_cfg
+    self.cfg = decode_cfg.resolve(model_cfg, heads_cfg)
+    self.eod_id = eod_id
+    self.graphdef, _ = model_lib.abstract(model_cfg, heads_cfg)
+    self.kd = self.cfg.k
+    self.dtype = model_lib.compute_dtype(model_cfg)
+    self._prefill = jax.jit(self._prefill_impl, static_argnames=("sample",))
+    self._insert = jax.jit(self._insert_impl, donate_argnames=("state",))
+    self._generate = jax.jit(self._generate_impl, static_argnames=("sample",),
+                             donate_argnames=("state",))
+
+  # ------------------------------------------------------------------ state
+
+  def init_state(self, seed: int = 0) -> DecodeState:
+    b, s, kd, v = self.cfg.batch_size, self.cfg.max_len, self.kd, self.model_cfg.vocab_size
+    return DecodeState(
+        tokens=jnp.zeros((b, s), jnp.int32), length=jnp.ones((b,), jnp.int32),
+        prompt_len=jnp.ones((b,), jnp.int32), stop_len=jnp.ones((b,), jnp.int32),
+        done=jnp.ones((b,), bool), drafts=jnp.zeros((b, kd), jnp.int32),
+        draft_logq=jnp.zeros((b, kd, v), jnp.float32),
+        cache=kv.init_cache(self.model_cfg, b, s, self.dtype), key=jax.random.key(seed),
+        temperature=jnp.zeros((b,), jnp.float32), top_k=jnp.zeros((b,), jnp.int32),
+        top_p=jnp.ones((b,), jnp.float32),
+        ring=ring_lib.init_ring(self.cfg.ring_size, b, kd), step=jnp.zeros((), jnp.int32),
+        row_steps=jnp.zeros((b,), jnp.int32), row_emitted=jnp.zeros((b,), jnp.int32),
+        drafted=jnp.zeros((kd,), jnp.int32), accepted=jnp.zeros((kd,), jnp.int32))
+
+  def bucket(self, n: int) -> int:
+    """The prefill bucket (a power of two >= min_bucket, at most max_len - k - 1) for n tokens."""
+    cap = self.cfg.max_len - self.kd - 1
+    if n > cap:
+      raise ValueError(f"prompt of {n} tokens does not fit the context ({self.cfg.max_len} "
+                       f"positions, {self.kd + 1} kept free for one step)")
+    b = self.cfg.min_bucket
+    while b < n:
+      b *= 2
+    return min(b, cap)
+
+  def buckets(self, max_prompt_len: int | None = None) -> list[int]:
+    top = self.bucket(max_prompt_len or self.cfg.max_len - self.kd - 1)
+    out, b = [], self.cfg.min_bucket
+    while b < top:
+      out.append(b)
+      b *= 2
+    return out + [top]
+
+  def warmup(self, params, max_prompt_len: int | None = None) -> int:
+    """Compiles every prefill bucket (greedy and sampled), insert and both generate variants on
+    a scratch state, so that serving compiles nothing. -> the number of buckets."""
+    state = self.init_state()
+    buckets = self.buckets(max_prompt_len)
+    for p in buckets:
+      for t in (0.0, 1.0):
+        prefix = self.prefill(params, [[0] * p], jax.random.key(0), [t], [0], [1.0])
+        state = self.insert(prefix, state, [0], [2], t, 0, 1.0)
+    for sample in (False, True):
+      state = self.generate(params, state, 1, sample=sample)
+    jax.block_until_ready(state)
+    return len(buckets)
+
+  # ------------------------------------------------------------------ drafting
+
+  def _draft(self, m, h_BD, key, temperature, top_k, top_p, sample: bool):
+    """Drafts from the heads at one hidden state per row -> (drafts [B, Kd], logq [B, Kd, V])."""
+    b, v = h_BD.shape[0], self.model_cfg.vocab_size
+    if self.kd == 0:
+      return jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, v), jnp.float32)
+    hh = m.head_hidden(h_BD[:, None])[:, 0, : self.kd]                  # [B, Kd, D]
+    logits = m.logits(hh)                                               # [B, Kd, V]
+    if not sample:
+      return jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((b, self.kd, v), jnp.float32)
+    logq = sampling.process_logits(logits, temperature, top_k, top_p)
+    return sampling.sample(key, logq), logq
+
+  # ------------------------------------------------------------------ prefill / insert
+
+  def _prefill_impl(self, params, tokens_NP, length_N, key, temperature, top_k, top_p,
+                    sample: bool):
+    m = model_lib.bind(self.graphdef, params)
+    n, p = tokens_NP.shape
+    cache = kv.init_cache(self.model_cfg, n, p, self.dtype)
+    h, cache = m(tokens_NP, jnp.broadcast_to(jnp.arange(p), (n, p)), cache)
+    h_last = jnp.take_along_axis(h, (length_N - 1)[:, None, None], axis=1)[:, 0]
+    logits = m.logits(h_last)
+    k_first, k_draft = jax.random.split(key)
+    if sample:
+      first = sampling.sample(k_first, sampling.process_logits(logits, temperature, top_k, top_p))
+    else:
+      first = jnp.argmax(logits, -1).astype(jnp.int32)
+    drafts, logq = self._draft(m, h_last, k_draft, temperature, top_k, top_p, sample)
+    return Prefix(tokens=tokens_NP, length=length_N, cache=cache, first=first, drafts=drafts,
+                  draft_logq=logq)
+
+  def prefill(self, params, prompts: list[list[int]], key, temperature, top_k, top_p) -> Prefix:
+    """Prefills prompts (token ids) padded to the bucket of the longest one."""
+    lengths = [len(p) for p in prompts]
+    if min(lengths) < 1:
+      raise ValueError("empty prompt: a prompt needs at least one token")
+    p = self.bucket(max(lengths))
+    arr = np.zeros((len(prompts), p), np.int32)
+    for i, ids in enumerate(prompts):
+      arr[i, : len(ids)] = ids
+    temperature = jnp.asarray(temperature, jnp.float32)
+    return self._prefill(params, jnp.asarray(arr), jnp.asarray(lengths, jnp.int32), key,
+                         temperature, jnp.asarray(top_k, jnp.int32),
+                         jnp.asarray(top_p, jnp.float32), sample=bool(np.any(temperature > 0)))
+
+  def _insert_impl(self, prefix: Prefix, state: DecodeState, slots, max_new, temperature, top_k,
+                   top_p):
+    n, p = prefix.tokens.shape
+    s = self.cfg.max_len
+    rows = slots[:, None]
+    cols = jnp.arange(p)[None, :]
+    k = tuple(c.at[rows, cols].set(pc.astype(c.dtype)) for c, pc in zip(state.cache.k, prefix.cache.k))
+    v = tuple(c.at[rows, cols].set(pc.astype(c.dtype)) for c, pc in zip(state.cache.v, prefix.cache.v))
+    row_tokens = jnp.zeros((n, s), jnp.int32).at[:, :p].set(prefix.tokens)
+    row_tokens = jnp.where(jnp.arange(s)[None] < prefix.length[:, None], row_tokens, 0)
+    row_tokens = row_tokens.at[jnp.arange(n), prefix.length].set(prefix.first)
+    length = prefix.length + 1
+    stop_len = jnp.minimum(prefix.length + max_new, s - self.kd - 1)
+    done = (length >= stop_len) | (prefix.first == self.eod_id)
+    z = jnp.zeros((n,), jnp.int32)
+    return state.replace(
+        tokens=state.tokens.at[slots].set(row_tokens), length=state.length.at[slots].set(length),
+        prompt_len=state.prompt_len.at[slots].set(prefix.length),
+        stop_len=state.stop_len.at[slots].set(stop_len), done=state.done.at[slots].set(done),
+        drafts=state.drafts.at[slots].set(prefix.drafts),
+        draft_logq=state.draft_logq.at[slots].set(prefix.draft_logq),
+        cache=kv.KVCache(k=k, v=v),
+        temperature=state.temperature.at[slots].set(temperature),
+        top_k=state.top_k.at[slots].set(top_k), top_p=state.top_p.at[slots].set(top_p),
+        row_steps=state.row_steps.at[slots].set(z), row_emitted=state.row_emitted.at[slots].set(z))
+
+  def insert(self, prefix: Prefix, state: DecodeState, slots, max_new, temperature, top_k,
+             top_p) -> DecodeState:
+    """Puts prefilled rows into slots (state donated). max_new counts the first token."""
+    f = lambda x, d: jnp.asarray(np.broadcast_to(np.asarray(x), (len(slots),)), d)
+    return self._insert(prefix, state, f(slots, jnp.int32), f(max_new, jnp.int32),
+                        f(temperature, jnp.float32), f(top_k, jnp.int32), f(top_p, jnp.float32))
+
+  # ------------------------------------------------------------------ the step
+
+  def step(self, m, state: DecodeState, k: int, sample: bool) -> DecodeState:
+    """One draft-and-verify step with k drafts (static), for all rows."""
+    b = state.length.shape[0]
+    length = state.length
+    last = jnp.take_along_axis(state.tokens, (length - 1)[:, None], axis=1)
+    drafts = state.drafts[:, :k]
+    inp = jnp.concatenate([last, drafts], axis=1)                       # [B, k+1]
+    pos = (length - 1)[:, None] + jnp.arange(k + 1)[None]
+    h, cache = m(inp, pos, state.cache)
+    logits = m.logits(h)                                                # [B, k+1, V]
+    key, k_verify, k_draft = jax.random.split(state.key, 3)
+    if sample:
+      logp = sampling.process_logits(logits, state.temperature, state.top_k, state.top_p)
+      n, out = sampling.verify_sampling(k_verify, drafts, state.draft_logq[:, :k], logp)
+    else:
+      n, out = sampling.verify_greedy(drafts, logits)
+    active = ~state.done
+    idx = jnp.arange(k + 1)[None]
+    eod_at = jnp.min(jnp.where(out == self.eod_id, idx, k + 1), axis=1)
+    n_emit = jnp.minimum(jnp.minimum(n + 1, eod_at + 1), state.stop_len - length)
+    n_emit = jnp.where(active, n_emit, 0)
+    write = jax.vmap(lambda row, new, start: jax.lax.dynamic_update_slice(row, new, (start,)))
+    tokens = jnp.where(active[:, None], write(state.tokens, out, length), state.tokens)
+    new_length = length + n_emit
+    done = state.done | (new_length >= state.stop_len) | (active & (eod_at < n_emit))
+    h_last = jnp.take_along_axis(h, n[:, None, None], axis=1)[:, 0]
+    new_drafts, logq = self._draft(m, h_last, k_draft, state.temperature, state.top_k,
+                                   state.top_p, sample)
+    n_active = jnp.sum(active.astype(jnp.int32))
+    pos_k = jnp.arange(self.kd)
+    drafted = state.drafted + jnp.where(pos_k < k, n_active, 0)
+    accepted = state.accepted + jnp.sum(
+        (active[:, None] & (n[:, None] > pos_k[None]) & (pos_k[None] < k)).astype(jnp.int32), 0)
+    ring = ring_lib.record(state.ring, state.step, out, n_emit, k, n_active)
+    return state.replace(
+        tokens=tokens, length=new_length, done=done, drafts=new_drafts, draft_logq=logq,
+        cache=cache, key=key, ring=ring, step=state.step + 1,
+        row_steps=state.row_steps + active.astype(jnp.int32),
+        row_emitted=state.row_emitted + n_emit, drafted=drafted, accepted=accepted)
+
+  def _generate_impl(self, params, state: DecodeState, num_steps, sample: bool):
+    m = model_lib.bind(self.graphdef, params)
+
+    def cond(carry):
+      i, st = carry
+      return (i < num_steps) & ~jnp.all(st.done)
+
+    def body(carry):
+      i, st = carry
+      return i + 1, self.step(m, st, self.kd, sample)
+
+    _, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
+    return state
+
+  def generate(self, params, state: DecodeState, num_steps: int | None = None,
+               sample: bool | None = None) -> DecodeState:
+    """Runs up to num_steps (<= ring capacity) steps; `state` is donated."""
+    num_steps = self.cfg.ring_size if num_steps is None else num_steps
+    if not 0 < num_steps <= self.cfg.ring_size:
+      raise ValueError(f"num_steps={num_steps} must be in 1..ring_size={self.cfg.ring_size}")
+    if sample is None:
+      sample = bool(np.any(np.asarray(state.temperature) > 0))
+    return self._generate(params, state, jnp.asarray(num_steps, jnp.int32), sample=sample)
+
+
+def stats(state: DecodeState) -> dict:
+  """Acceptance statistics of the counters (host values)."""
+  drafted, accepted = np.asarray(state.drafted), np.asarray(state.accepted)
+  steps, emitted = np.asarray(state.row_steps), np.asarray(state.row_emitted)
+  return {
+      "steps": int(np.asarray(state.step)),
+      "acceptance_length": float(emitted.sum() / max(steps.sum(), 1)),
+      "acceptance_rate_per_position": [float(a / d) if d else 0.0
+                                       for a, d in zip(accepted, drafted)],
+      "drafted": drafted.tolist(), "accepted": accepted.tolist(),
+  }

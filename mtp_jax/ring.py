@@ -1,0 +1,83 @@
+"""On-device ring buffer of the last R decode steps, and its host-side drain.
+
+Each step writes one record at slot (step % R): per row the emitted tokens (up to k_max + 1) and
+how many of them are valid, per step the k used and the number of active rows. `generate` runs at
+most R steps per call, so the host can copy a whole call's records and rebuild every row's token
+stream exactly, whatever the wrap-around.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+
+@struct.dataclass
+class Ring:
+  tokens: jax.Array      # [R, B, K+1] int32
+  emitted: jax.Array     # [R, B] int32: valid tokens of the row in that step (0 if inactive)
+  k_used: jax.Array      # [R] int32
+  active: jax.Array      # [R] int32: rows active in that step
+
+  @property
+  def capacity(self) -> int:
+    return self.tokens.shape[0]
+
+
+def init_ring(capacity: int, batch_size: int, k_max: int) -> Ring:
+  return Ring(tokens=jnp.zeros((capacity, batch_size, k_max + 1), jnp.int32),
+              emitted=jnp.zeros((capacity, batch_size), jnp.int32),
+              k_used=jnp.zeros((capacity,), jnp.int32),
+              active=jnp.zeros((capacity,), jnp.int32))
+
+
+def record(ring: Ring, step, tokens_BK1, emitted_B, k_used, active) -> Ring:
+  i = step % ring.capacity
+  pad = ring.tokens.shape[2] - tokens_BK1.shape[1]
+  tokens = jnp.pad(tokens_BK1, ((0, 0), (0, pad)))
+  return Ring(tokens=ring.tokens.at[i].set(tokens), emitted=ring.emitted.at[i].set(emitted_B),
+              k_used=ring.k_used.at[i].set(k_used), active=ring.active.at[i].set(active))
+
+
+class Drain:
+  """Host side: rebuilds each row's token stream from ring snapshots.
+
+  `start(ring, step)` begins an asynchronous device-to-host copy of a snapshot taken when the
+  device had run `step` steps in all; `finish()` waits for it and returns the records of the steps
+  since the previous drain, oldest first, as (tokens [n, B, K+1], emitted [n, B], k_used [n],
+  active [n]).
+  """
+
+  def __init__(self):
+    self.drained_step = 0
+    self._pending = None
+
+  def start(self, ring: Ring, step: int):
+    if step - self.drained_step > ring.capacity:
+      raise RuntimeError(f"ring overrun: {step - self.drained_step} steps since the last drain "
+                         f"but capacity is {ring.capacity}")
+    for x in jax.tree.leaves(ring):
+      x.copy_to_host_async()
+    self._pending = (ring, step)
+
+  def finish(self):
+    ring, step = self._pending
+    self._pending = None
+    r = ring.capacity
+    idx = np.arange(self.drained_step, step) % r
+    host = jax.device_get(ring)
+    self.drained_step = step
+    return host.tokens[idx], host.emitted[idx], host.k_used[idx], host.active[idx]
+
+  def drain(self, ring: Ring, step: int):
+    self.start(ring, step)
+    return self.finish()
+
+
+def append_streams(streams: list[list[int]], tokens, emitted):
+  """Appends each row's valid tokens of the drained steps to streams[row]."""
+  for s in range(tokens.shape[0]):
+    for b in np.nonzero(emitted[s])[0]:
+      streams[b].extend(tokens[s, b, : emitted[s, b]].tolist())

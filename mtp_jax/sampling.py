@@ -1,0 +1,93 @@
+"""Logits processors and the verification rules of speculative decoding.
+
+Sampling parameters are per row arrays (temperature [B], top_k [B], top_p [B]), so a batch mixes
+greedy and sampled rows and changing them never recompiles. The same processing is applied to the
+trunk's (target) and the heads' (draft) logits.
+
+Verification, for drafts d_1..d_k and the trunk's distributions p_0..p_k over the k+1 verified
+positions (p_{i-1} is the trunk's distribution for the token d_i claims):
+  greedy    accept the longest prefix with d_i == argmax p_{i-1}; the trunk adds argmax p_n.
+  sampling  accept d_i with probability min(1, p_{i-1}(d_i) / q_i(d_i)); at the first rejection
+            draw from norm(max(0, p_{i-1} - q_i)); if all k are accepted draw from p_k. The emitted
+            tokens are then distributed exactly as sampling from p alone (Leviathan et al. 2023).
+A greedy row inside a sampling batch is processed into one-hot distributions, for which the
+sampling rule reduces exactly to the greedy rule.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30
+
+
+def process_logits(logits_BxV, temperature_B, top_k_B, top_p_B):
+  """-> log-probabilities [B, ..., V] of the processed distribution, in f32.
+
+  temperature 0 gives a one-hot distribution on the argmax; top_k 0 and top_p 1 disable those
+  filters. Extra axes between B and V (positions) share their row's parameters.
+  """
+  logits = logits_BxV.astype(jnp.float32)
+  extra = (1,) * (logits.ndim - 2)
+  t = temperature_B.reshape((-1,) + extra + (1,))
+  k = top_k_B.reshape((-1,) + extra + (1,))
+  p = top_p_B.reshape((-1,) + extra + (1,))
+  greedy = t <= 0
+  scaled = logits / jnp.where(greedy, 1.0, t)
+  v = logits.shape[-1]
+  sorted_desc = -jnp.sort(-scaled, axis=-1)
+  # top-k: keep logits >= the k-th largest.
+  kth = jnp.take_along_axis(sorted_desc, jnp.clip(k - 1, 0, v - 1).astype(jnp.int32), axis=-1)
+  keep = jnp.where(k > 0, scaled >= kth, True)
+  # top-p: keep the smallest prefix of sorted tokens whose mass reaches p (always the first).
+  probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
+  mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
+  cutoff_idx = jnp.sum(mass_before < p, axis=-1, keepdims=True) - 1
+  cutoff = jnp.take_along_axis(sorted_desc, jnp.clip(cutoff_idx, 0, v - 1), axis=-1)
+  keep &= jnp.where(p < 1.0, scaled >= cutoff, True)
+  filtered = jnp.where(keep, scaled, NEG_INF)
+  one_hot = jnp.where(jnp.arange(v) == jnp.argmax(logits, -1)[..., None], 0.0, NEG_INF)
+  return jax.nn.log_softmax(jnp.where(greedy, one_hot, filtered), axis=-1)
+
+
+def sample(key, logp_BxV):
+  return jax.random.categorical(key, logp_BxV, axis=-1).astype(jnp.int32)
+
+
+def verify_greedy(drafts_BK, target_logits_BKV):
+  """-> (accepted count n [B], emitted tokens [B, k+1]; the first n+1 are valid)."""
+  target = jnp.argmax(target_logits_BKV, -1).astype(jnp.int32)     # [B, k+1]
+  k = drafts_BK.shape[1]
+  match = drafts_BK == target[:, :k]
+  n = jnp.sum(jnp.cumprod(match, axis=1), axis=1).astype(jnp.int32)
+  return n, target
+
+
+def verify_sampling(key, drafts_BK, draft_logq_BKV, target_logp_BKV):
+  """Lossless rejection sampling. target_logp has k+1 positions; draft_logq has k.
+
+  -> (accepted count n [B], emitted tokens [B, k+1]; the first n+1 are valid).
+  """
+  b, k = drafts_BK.shape
+  k_u, k_s = jax.random.split(key)
+  p = jnp.exp(target_logp_BKV)                                          # [B, k+1, V]
+  if k == 0:
+    return jnp.zeros((b,), jnp.int32), sample(k_s, target_logp_BKV)
+  q = jnp.exp(draft_logq_BKV)                                           # [B, k, V]
+  p_d = jnp.take_along_axis(p[:, :k], drafts_BK[..., None], -1)[..., 0]
+  q_d = jnp.take_along_axis(q, drafts_BK[..., None], -1)[..., 0]
+  u = jax.random.uniform(k_u, (b, k))
+  # u < p/q  <=>  u * q < p  (no division; q_d > 0 for a sampled draft).
+  accept = u * q_d < p_d
+  n = jnp.sum(jnp.cumprod(accept, axis=1), axis=1).astype(jnp.int32)
+  residual = jnp.maximum(p[:, :k] - q, 0.0)
+  mass = jnp.sum(residual, -1, keepdims=True)
+  # Where p <= q everywhere (p == q), a rejection cannot happen; fall back to p for safety.
+  residual = jnp.where(mass > 0, residual / jnp.maximum(mass, 1e-30), p[:, :k])
+  correction = jnp.concatenate([residual, p[:, k:]], axis=1)            # [B, k+1, V]
+  extra = sample(k_s, jnp.log(jnp.maximum(correction, 1e-38)) + jnp.where(correction > 0, 0.0, NEG_INF))
+  tokens = jnp.concatenate([drafts_BK, jnp.zeros((b, 1), jnp.int32)], axis=1)
+  idx = jnp.arange(k + 1)[None]
+  tokens = jnp.where(idx == n[:, None], extra, tokens)
+  return n, tokens

@@ -1,0 +1,176 @@
+"""The speculative engine: exact greedy output, lossless sampling, no recompiles, the ring."""
+
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as sstats
+
+from mtp_jax import api
+from mtp_jax import checkpoint as ckpt_lib
+from mtp_jax import data as data_lib
+from mtp_jax import engine as E
+from mtp_jax import generate as G
+from mtp_jax import ring as ring_lib
+from mtp_jax.config import DecodeConfig
+
+
+@pytest.fixture(scope="module")
+def tiny_model(trained_tiny):
+  cfg, workdir, _ = trained_tiny
+  return ckpt_lib.load_model_dir(os.path.join(workdir, "model")), cfg
+
+
+def _prompts(cfg, tok, n, seed=0):
+  """Held-out code snippets of different lengths."""
+  _, heldout = data_lib.split_files(cfg.data)
+  text = data_lib.read_text(data_lib.corpus_root(cfg.data), heldout[0])
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(n):
+    start = int(rng.integers(0, len(text) - 400))
+    out.append(tok.encode(text[start: start + int(rng.integers(10, 200))])[:40] or [5])
+  return out
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_greedy_speculative_equals_plain_greedy(tiny_model, k):
+  (mcfg, hcfg, params, tok), cfg = tiny_model
+  prompts = _prompts(cfg, tok, 7)
+  max_new = [5, 40, 17, 33, 1, 26, 40]
+  reqs = [api.Request(p, m) for p, m in zip(prompts, max_new)]
+  plain = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=3, k=0, ring_size=8))
+  spec = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=3, k=k, ring_size=8))
+  a, b = plain.run(reqs), spec.run(reqs)
+  for ra, rb in zip(a, b):
+    assert ra.token_ids == rb.token_ids and ra.finish_reason == rb.finish_reason
+  st = spec.last_stats
+  assert sum(st["accepted"]) > 0, "no draft was ever accepted: the test would prove nothing"
+  assert any(r.acceptance_length > 1 for r in b)
+  # And both equal the independent reference implementation of greedy decoding.
+  graphdef, _ = (spec.engine.graphdef, None)
+  for p, m, r in zip(prompts, max_new, a):
+    ref = np.asarray(G.greedy_generate(graphdef, params, jnp.asarray([p], jnp.int32),
+                                       jnp.asarray([len(p)], jnp.int32), m))[0, len(p):].tolist()
+    if tok.eod_id in ref:
+      ref = ref[: ref.index(tok.eod_id)]
+    assert r.token_ids == ref
+
+
+def test_rows_stop_when_the_cache_is_full(tiny_model):
+  (mcfg, hcfg, params, tok), cfg = tiny_model
+  dec = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, k=2, max_len=48))
+  out = dec.run([api.Request([7] * 20, 500)])[0]
+  assert out.finish_reason in ("length", "stop")
+  if out.finish_reason == "length":
+    assert 20 + len(out.token_ids) == 48 - 2 - 1
+
+
+def _sample_engine(mcfg, hcfg, params, tok, k, n_rounds, batch, prompt, max_new, seed, top_k=4):
+  eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=batch, k=k, ring_size=8), tok.eod_id)
+  rows = []
+  for r in range(n_rounds):
+    key = jax.random.key(seed * 1000 + r)
+    state = eng.init_state(seed * 1000 + r)
+    prefix = eng.prefill(params, [prompt] * batch, key, [1.0] * batch, [top_k] * batch,
+                         [1.0] * batch)
+    state = eng.insert(prefix, state, list(range(batch)), max_new, 1.0, top_k, 1.0)
+    state = eng.generate(params, state, 8, sample=True)
+    toks = np.asarray(state.tokens)[:, len(prompt): len(prompt) + max_new]
+    lens = np.asarray(state.length) - len(prompt)
+    rows.append(np.where(np.arange(max_new)[None] < lens[:, None], toks, -1))
+  return np.concatenate(rows), E.stats(state)
+
+
+def test_sampling_is_lossless(tiny_model):
+  """The 2nd and 3rd generated tokens (produced by draft-and-verify steps, the 1st comes from
+  prefill) follow the same distribution with k = 3 as with plain sampling. Two-sample chi-square
+  test of homogeneity on the joint (2nd, 3rd) pairs, categories with fewer than 20 samples in
+  all pooled; the test fails below p = 1e-4 (a correct engine fails once in 10,000 runs)."""
+  (mcfg, hcfg, params, tok), cfg = tiny_model
+  prompt = _prompts(cfg, tok, 1, seed=3)[0][:12]
+  plain, _ = _sample_engine(mcfg, hcfg, params, tok, 0, 24, 64, prompt, 3, seed=1)
+  spec, st = _sample_engine(mcfg, hcfg, params, tok, 3, 24, 64, prompt, 3, seed=2)
+  assert sum(st["accepted"]) > 0.1 * sum(st["drafted"]), st
+  def pairs(x):
+    return [f"{a},{b}" for a, b in x[:, 1:3]]
+  pa, pb = pairs(plain), pairs(spec)
+  cats = sorted(set(pa) | set(pb))
+  ca = np.array([pa.count(c) for c in cats])
+  cb = np.array([pb.count(c) for c in cats])
+  small = (ca + cb) < 20
+  table = np.stack([np.r_[ca[~small], ca[small].sum()], np.r_[cb[~small], cb[small].sum()]])
+  table = table[:, table.sum(0) > 0]
+  assert table.shape[1] >= 5, "too few categories for a meaningful test"
+  _, pvalue, _, _ = sstats.chi2_contingency(table)
+  assert pvalue > 1e-4, (pvalue, table)
+
+
+class _CompileCounter(logging.Handler):
+  def __init__(self):
+    super().__init__()
+    self.messages = []
+
+  def emit(self, record):
+    msg = record.getMessage()
+    if "Compiling" in msg or "compiling" in msg.lower() and "jit" in msg.lower():
+      self.messages.append(msg)
+
+
+def test_no_recompilation_after_warmup(tiny_model):
+  (mcfg, hcfg, params, tok), cfg = tiny_model
+  dec = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, k=3, ring_size=8))
+  prompts = _prompts(cfg, tok, 9, seed=5)
+  assert dec.warmup(max_prompt_len=40) == 3             # buckets 16, 32, 64
+  dec.run([api.Request(prompts[0][:10], 8)])            # host-side helpers (key splits, ...)
+  counter = _CompileCounter()
+  logger = logging.getLogger("jax")
+  logger.addHandler(counter)
+  try:
+    with jax.log_compiles(True):
+      dec.run([api.Request(prompts[2][:12], 20), api.Request(prompts[3][:9], 3)])
+      dec.run([api.Request(prompts[4][:28], 11, 1.0, 0, 1.0),
+               api.Request(prompts[5][:7], 30, 0.0), api.Request(prompts[6][:20], 5, 0.3, 40, 0.5)])
+      dec.run([api.Request(prompts[7][:16], 17, 1.3, 2, 0.95), api.Request(prompts[8][:3], 9)])
+  finally:
+    logger.removeHandler(counter)
+  assert counter.messages == [], counter.messages
+
+
+def test_drained_ring_reproduces_the_token_buffer_across_wraparound(tiny_model):
+  (mcfg, hcfg, params, tok), cfg = tiny_model
+  eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=3, k=3, ring_size=4), tok.eod_id)
+  prompts = _prompts(cfg, tok, 3, seed=7)
+  state = eng.init_state()
+  streams = [[], [], []]
+  for slot, p in enumerate(prompts):
+    prefix = eng.prefill(params, [p], jax.random.key(slot), [0.8], [0], [1.0])
+    state = eng.insert(prefix, state, [slot], [60], 0.8, 0, 1.0)
+    streams[slot].append(int(prefix.first[0]))
+  drain = ring_lib.Drain()
+  calls = 0
+  while not bool(np.all(np.asarray(state.done))):
+    state = eng.generate(params, state, 3)          # 3 steps per call, ring of 4: wraps
+    tokens, emitted, k_used, active = drain.drain(state.ring, int(state.step))
+    ring_lib.append_streams(streams, tokens, emitted)
+    assert np.all(k_used == 3)
+    calls += 1
+  assert int(state.step) > 2 * eng.cfg.ring_size, "no wrap-around happened"
+  buf, length = np.asarray(state.tokens), np.asarray(state.length)
+  for b, p in enumerate(prompts):
+    assert streams[b] == buf[b, len(p): length[b]].tolist()
+
+
+def test_donated_state_is_deleted_after_generate(tiny_model):
+  (mcfg, hcfg, params, tok), cfg = tiny_model
+  eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=2, k=2, ring_size=4), tok.eod_id)
+  state = eng.init_state()
+  prefix = eng.prefill(params, [[3, 4, 5]], jax.random.key(0), [0.0], [0], [1.0])
+  state = eng.insert(prefix, state, [0], [10], 0.0, 0, 1.0)
+  old = state
+  new = eng.generate(params, state, 2, sample=False)
+  assert old.tokens.is_deleted() and old.cache.k[0].is_deleted()
+  assert not new.tokens.is_deleted()

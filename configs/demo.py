@@ -11,7 +11,7 @@ def get_config():
                  max_seq_len=1024)
   c.heads.update(kind="parallel", num=3)
   c.data.update(glob="**/*.py", tokenizer_train_bytes=8_000_000, seq_len=256, heldout_permille=20)
-  c.train.update(batch_size=16, steps=1800, lr=3e-3, warmup_steps=100, head_loss_stride=2,
+  c.train.update(batch_size=16, steps=1200, lr=3e-3, warmup_steps=100, head_loss_stride=2,
                  checkpoint_every=100, eval_every=600, eval_batches=4, log_every=25,
                  save_dtype="bfloat16")
   return c

@@ -40,6 +40,7 @@ class Request:
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
+  repetition_penalty: float = 1.0
 
 
 class Decoder:
@@ -62,9 +63,10 @@ class Decoder:
     return self.engine.warmup(self.params, max_prompt_len)
 
   def generate(self, prompts: Sequence[str], max_new_tokens: int = 128, temperature: float = 0.0,
-               top_k: int = 0, top_p: float = 1.0) -> list[Completion]:
-    reqs = [Request(self.tokenizer.encode(p), max_new_tokens, temperature, top_k, top_p)
-            for p in prompts]
+               top_k: int = 0, top_p: float = 1.0,
+               repetition_penalty: float = 1.0) -> list[Completion]:
+    reqs = [Request(self.tokenizer.encode(p), max_new_tokens, temperature, top_k, top_p,
+                    repetition_penalty) for p in prompts]
     return self.run(reqs)
 
   def run(self, requests: Sequence[Request]) -> list[Completion]:
@@ -88,20 +90,19 @@ class Decoder:
         req = requests[r]
         key, sub = jax.random.split(key)
         prefix = eng.prefill(self.params, [req.prompt_ids], sub, [req.temperature], [req.top_k],
-                             [req.top_p])
+                             [req.top_p], [req.repetition_penalty])
         state = eng.insert(prefix, state, [slot], [req.max_new_tokens], [req.temperature],
-                           [req.top_k], [req.top_p])
+                           [req.top_k], [req.top_p], [req.repetition_penalty])
         slot_req[slot] = r
         streams[slot] = [int(prefix.first[0])]
-        sampled[slot] = req.temperature > 0
+        sampled[slot] = engine_lib.needs_sampling(req.temperature, req.repetition_penalty)
       return state, key
 
-    state, key = fill(state, key)
-    while any(r >= 0 for r in slot_req):
-      state = eng.generate(self.params, state, sample=bool(np.any(sampled & (np.asarray(slot_req) >= 0))))
-      tokens, emitted, _, _ = drain.drain(state.ring, int(state.step))
+    def collect(records):
+      """Appends a drained chunk to the streams; finishes rows that are done."""
+      nonlocal total_steps
+      tokens, emitted, _, _, done, row_steps = records
       ring_lib.append_streams(streams, tokens, emitted)
-      done, row_steps = jax.device_get((state.done, state.row_steps))
       for slot in range(b):
         r = slot_req[slot]
         if r < 0 or not done[slot]:
@@ -110,7 +111,22 @@ class Decoder:
         total_steps += int(row_steps[slot])
         slot_req[slot] = -1
         free.append(slot)
-      state, key = fill(state, key)
+
+    # While requests wait, a finished row is refilled right after its chunk, so the host reads
+    # each chunk before launching the next. Once the queue is empty nothing needs refilling: the
+    # next chunk is launched first and the previous one drained while the device runs it.
+    state, key = fill(state, key)
+    while any(r >= 0 for r in slot_req):
+      sample = bool(np.any(sampled & (np.asarray(slot_req) >= 0)))
+      state = eng.generate(self.params, state, sample=sample)
+      if drain.pending:
+        collect(drain.finish())
+      drain.start(state.ring, state.step, state.done, state.row_steps)
+      if queue or not any(r >= 0 for r in slot_req):
+        collect(drain.finish())
+        state, key = fill(state, key)
+    if drain.pending:
+      collect(drain.finish())
     self.last_stats = engine_lib.stats(state)
     return results
 

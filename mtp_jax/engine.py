@@ -43,6 +43,7 @@ class DecodeState:
   temperature: jax.Array   # [B] f32, 0 = greedy
   top_k: jax.Array         # [B] int32, 0 = off
   top_p: jax.Array         # [B] f32, 1 = off
+  penalty: jax.Array       # [B] f32 repetition penalty, 1 = off
   ring: ring_lib.Ring
   step: jax.Array          # [] steps run since init (indexes the ring)
   row_steps: jax.Array     # [B] decode steps while the row was active
@@ -66,7 +67,9 @@ class Engine:
   """Compiled prefill / insert / generate for one model and one DecodeConfig.
 
   Greedy and sampling steps are two compiled variants of generate, chosen per call by whether
-  any row samples; both are compiled at warm-up, so sampling parameters never recompile.
+  any row samples or has a repetition penalty (the sampling variant handles greedy rows exactly,
+  as one-hot distributions); both are compiled at warm-up, so sampling parameters never
+  recompile.
   """
 
   def __init__(self, model_cfg: ModelConfig, heads_cfg: HeadsConfig, decode_cfg: DecodeConfig,
@@ -93,7 +96,7 @@ class Engine:
         draft_logq=jnp.zeros((b, kd, v), jnp.float32),
         cache=kv.init_cache(self.model_cfg, b, s, self.dtype), key=jax.random.key(seed),
         temperature=jnp.zeros((b,), jnp.float32), top_k=jnp.zeros((b,), jnp.int32),
-        top_p=jnp.ones((b,), jnp.float32),
+        top_p=jnp.ones((b,), jnp.float32), penalty=jnp.ones((b,), jnp.float32),
         ring=ring_lib.init_ring(self.cfg.ring_size, b, kd), step=jnp.zeros((), jnp.int32),
         row_steps=jnp.zeros((b,), jnp.int32), row_emitted=jnp.zeros((b,), jnp.int32),
         drafted=jnp.zeros((kd,), jnp.int32), accepted=jnp.zeros((kd,), jnp.int32))
@@ -133,8 +136,12 @@ class Engine:
 
   # ------------------------------------------------------------------ drafting
 
-  def _draft(self, m, h_BD, key, temperature, top_k, top_p, sample: bool):
-    """Drafts from the heads at one hidden state per row -> (drafts [B, Kd], logq [B, Kd, V])."""
+  def _draft(self, m, h_BD, key, sp, presence_BV, sample: bool):
+    """Drafts from the heads at one hidden state per row -> (drafts [B, Kd], logq [B, Kd, V]).
+
+    When sampling, draft i is drawn from head i's processed distribution, whose repetition
+    penalty also counts drafts 1..i-1 (the history the trunk will verify it against).
+    """
     b, v = h_BD.shape[0], self.model_cfg.vocab_size
     if self.kd == 0:
       return jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, v), jnp.float32)
@@ -142,12 +149,18 @@ class Engine:
     logits = m.logits(hh)                                               # [B, Kd, V]
     if not sample:
       return jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((b, self.kd, v), jnp.float32)
-    logq = sampling.process_logits(logits, temperature, top_k, top_p)
-    return sampling.sample(key, logq), logq
+    drafts, logqs = [], []
+    for i, sub in enumerate(jax.random.split(key, self.kd)):
+      logq = sampling.process_logits(logits[:, i], *sp, presence_BV)
+      d = sampling.sample(sub, logq)
+      presence_BV = presence_BV.at[jnp.arange(b), d].set(True)
+      drafts.append(d)
+      logqs.append(logq)
+    return jnp.stack(drafts, 1), jnp.stack(logqs, 1)
 
   # ------------------------------------------------------------------ prefill / insert
 
-  def _prefill_impl(self, params, tokens_NP, length_N, key, temperature, top_k, top_p,
+  def _prefill_impl(self, params, tokens_NP, length_N, key, temperature, top_k, top_p, penalty,
                     sample: bool):
     m = model_lib.bind(self.graphdef, params)
     n, p = tokens_NP.shape
@@ -156,15 +169,20 @@ class Engine:
     h_last = jnp.take_along_axis(h, (length_N - 1)[:, None, None], axis=1)[:, 0]
     logits = m.logits(h_last)
     k_first, k_draft = jax.random.split(key)
+    sp = (temperature, top_k, top_p, penalty)
+    presence = None
     if sample:
-      first = sampling.sample(k_first, sampling.process_logits(logits, temperature, top_k, top_p))
+      presence = sampling.presence(tokens_NP, length_N, self.model_cfg.vocab_size)
+      first = sampling.sample(k_first, sampling.process_logits(logits, *sp, presence))
+      presence = presence.at[jnp.arange(n), first].set(True)
     else:
       first = jnp.argmax(logits, -1).astype(jnp.int32)
-    drafts, logq = self._draft(m, h_last, k_draft, temperature, top_k, top_p, sample)
+    drafts, logq = self._draft(m, h_last, k_draft, sp, presence, sample)
     return Prefix(tokens=tokens_NP, length=length_N, cache=cache, first=first, drafts=drafts,
                   draft_logq=logq)
 
-  def prefill(self, params, prompts: list[list[int]], key, temperature, top_k, top_p) -> Prefix:
+  def prefill(self, params, prompts: list[list[int]], key, temperature, top_k, top_p,
+              penalty=None) -> Prefix:
     """Prefills prompts (token ids) padded to the bucket of the longest one."""
     lengths = [len(p) for p in prompts]
     if min(lengths) < 1:
@@ -173,13 +191,15 @@ class Engine:
     arr = np.zeros((len(prompts), p), np.int32)
     for i, ids in enumerate(prompts):
       arr[i, : len(ids)] = ids
-    temperature = jnp.asarray(temperature, jnp.float32)
+    temperature = np.asarray(temperature, np.float32)
+    penalty = np.ones_like(temperature) if penalty is None else np.asarray(penalty, np.float32)
     return self._prefill(params, jnp.asarray(arr), jnp.asarray(lengths, jnp.int32), key,
-                         temperature, jnp.asarray(top_k, jnp.int32),
-                         jnp.asarray(top_p, jnp.float32), sample=bool(np.any(temperature > 0)))
+                         jnp.asarray(temperature), jnp.asarray(top_k, jnp.int32),
+                         jnp.asarray(top_p, jnp.float32), jnp.asarray(penalty),
+                         sample=needs_sampling(temperature, penalty))
 
   def _insert_impl(self, prefix: Prefix, state: DecodeState, slots, max_new, temperature, top_k,
-                   top_p):
+                   top_p, penalty):
     n, p = prefix.tokens.shape
     s = self.cfg.max_len
     rows = slots[:, None]
@@ -202,14 +222,16 @@ class Engine:
         cache=kv.KVCache(k=k, v=v),
         temperature=state.temperature.at[slots].set(temperature),
         top_k=state.top_k.at[slots].set(top_k), top_p=state.top_p.at[slots].set(top_p),
-        row_steps=state.row_steps.at[slots].set(z), row_emitted=state.row_emitted.at[slots].set(z))
+        penalty=state.penalty.at[slots].set(penalty), row_steps=state.row_steps.at[slots].set(z),
+        row_emitted=state.row_emitted.at[slots].set(z))
 
   def insert(self, prefix: Prefix, state: DecodeState, slots, max_new, temperature, top_k,
-             top_p) -> DecodeState:
+             top_p, penalty=1.0) -> DecodeState:
     """Puts prefilled rows into slots (state donated). max_new counts the first token."""
     f = lambda x, d: jnp.asarray(np.broadcast_to(np.asarray(x), (len(slots),)), d)
     return self._insert(prefix, state, f(slots, jnp.int32), f(max_new, jnp.int32),
-                        f(temperature, jnp.float32), f(top_k, jnp.int32), f(top_p, jnp.float32))
+                        f(temperature, jnp.float32), f(top_k, jnp.int32), f(top_p, jnp.float32),
+                        f(penalty, jnp.float32))
 
   # ------------------------------------------------------------------ the step
 
@@ -224,8 +246,14 @@ class Engine:
     h, cache = m(inp, pos, state.cache)
     logits = m.logits(h)                                                # [B, k+1, V]
     key, k_verify, k_draft = jax.random.split(state.key, 3)
+    sp = (state.temperature, state.top_k, state.top_p, state.penalty)
+    v = self.model_cfg.vocab_size
     if sample:
-      logp = sampling.process_logits(logits, state.temperature, state.top_k, state.top_p)
+      # Position j is verified against the history plus drafts 1..j.
+      base = sampling.presence(state.tokens, length, v)
+      seen = jnp.cumsum(jax.nn.one_hot(drafts, v, dtype=jnp.int32), axis=1) > 0   # [B, k, V]
+      pres = jnp.concatenate([base[:, None], base[:, None] | seen], axis=1)      # [B, k+1, V]
+      logp = sampling.process_logits(logits, *sp, pres)
       n, out = sampling.verify_sampling(k_verify, drafts, state.draft_logq[:, :k], logp)
     else:
       n, out = sampling.verify_greedy(drafts, logits)
@@ -239,8 +267,8 @@ class Engine:
     new_length = length + n_emit
     done = state.done | (new_length >= state.stop_len) | (active & (eod_at < n_emit))
     h_last = jnp.take_along_axis(h, n[:, None, None], axis=1)[:, 0]
-    new_drafts, logq = self._draft(m, h_last, k_draft, state.temperature, state.top_k,
-                                   state.top_p, sample)
+    new_pres = sampling.presence(tokens, new_length, v) if sample else None
+    new_drafts, logq = self._draft(m, h_last, k_draft, sp, new_pres, sample)
     n_active = jnp.sum(active.astype(jnp.int32))
     pos_k = jnp.arange(self.kd)
     drafted = state.drafted + jnp.where(pos_k < k, n_active, 0)
@@ -274,8 +302,13 @@ class Engine:
     if not 0 < num_steps <= self.cfg.ring_size:
       raise ValueError(f"num_steps={num_steps} must be in 1..ring_size={self.cfg.ring_size}")
     if sample is None:
-      sample = bool(np.any(np.asarray(state.temperature) > 0))
+      sample = needs_sampling(np.asarray(state.temperature), np.asarray(state.penalty))
     return self._generate(params, state, jnp.asarray(num_steps, jnp.int32), sample=sample)
+
+
+def needs_sampling(temperature, penalty) -> bool:
+  """Whether rows with these parameters need the sampling variant of the step."""
+  return bool(np.any(np.asarray(temperature) > 0) or np.any(np.asarray(penalty) != 1.0))
 
 
 def stats(state: DecodeState) -> dict:

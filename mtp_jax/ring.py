@@ -44,35 +44,42 @@ def record(ring: Ring, step, tokens_BK1, emitted_B, k_used, active) -> Ring:
 class Drain:
   """Host side: rebuilds each row's token stream from ring snapshots.
 
-  `start(ring, step)` begins an asynchronous device-to-host copy of a snapshot taken when the
-  device had run `step` steps in all; `finish()` waits for it and returns the records of the steps
-  since the previous drain, oldest first, as (tokens [n, B, K+1], emitted [n, B], k_used [n],
-  active [n]).
+  `start(ring, step, *extra)` copies the ring (and any small arrays the host also needs, such as
+  done flags) on the device, so that the state can be donated to the next `generate` call, and
+  starts their asynchronous device-to-host transfer; `finish()` waits for it and returns the
+  records of the steps since the previous drain, oldest first, as (tokens [n, B, K+1],
+  emitted [n, B], k_used [n], active [n]) followed by the extra arrays on the host.
+  `step` is the device's count of steps run in all (a device scalar; it is read in finish()).
   """
 
   def __init__(self):
     self.drained_step = 0
     self._pending = None
 
-  def start(self, ring: Ring, step: int):
-    if step - self.drained_step > ring.capacity:
-      raise RuntimeError(f"ring overrun: {step - self.drained_step} steps since the last drain "
-                         f"but capacity is {ring.capacity}")
-    for x in jax.tree.leaves(ring):
+  def start(self, ring: Ring, step, *extra):
+    snap = jax.tree.map(jnp.copy, (ring, step, extra))
+    for x in jax.tree.leaves(snap):
       x.copy_to_host_async()
-    self._pending = (ring, step)
+    self._pending = snap
+
+  @property
+  def pending(self) -> bool:
+    return self._pending is not None
 
   def finish(self):
-    ring, step = self._pending
+    ring, step, extra = jax.device_get(self._pending)
     self._pending = None
-    r = ring.capacity
+    step = int(step)
+    r = ring.tokens.shape[0]
+    if step - self.drained_step > r:
+      raise RuntimeError(f"ring overrun: {step - self.drained_step} steps since the last drain "
+                         f"but capacity is {r}")
     idx = np.arange(self.drained_step, step) % r
-    host = jax.device_get(ring)
     self.drained_step = step
-    return host.tokens[idx], host.emitted[idx], host.k_used[idx], host.active[idx]
+    return (ring.tokens[idx], ring.emitted[idx], ring.k_used[idx], ring.active[idx]) + tuple(extra)
 
-  def drain(self, ring: Ring, step: int):
-    self.start(ring, step)
+  def drain(self, ring: Ring, step, *extra):
+    self.start(ring, step, *extra)
     return self.finish()
 
 

@@ -1,8 +1,8 @@
 """Logits processors and the verification rules of speculative decoding.
 
-Sampling parameters are per row arrays (temperature [B], top_k [B], top_p [B]), so a batch mixes
-greedy and sampled rows and changing them never recompiles. The same processing is applied to the
-trunk's (target) and the heads' (draft) logits.
+Sampling parameters are per row arrays (temperature [B], top_k [B], top_p [B], repetition
+penalty [B]), so a batch mixes greedy and sampled rows and changing them never recompiles. The
+same processing is applied to the trunk's (target) and the heads' (draft) logits.
 
 Verification, for drafts d_1..d_k and the trunk's distributions p_0..p_k over the k+1 verified
 positions (p_{i-1} is the trunk's distribution for the token d_i claims):
@@ -22,13 +22,32 @@ import jax.numpy as jnp
 NEG_INF = -1e30
 
 
-def process_logits(logits_BxV, temperature_B, top_k_B, top_p_B):
+def presence(tokens_BS, length_B, vocab_size: int):
+  """[B, V] bool: which tokens occur in each row's first length_B tokens."""
+  b, s = tokens_BS.shape
+  valid = jnp.arange(s)[None] < length_B[:, None]
+  return jnp.zeros((b, vocab_size), bool).at[jnp.arange(b)[:, None], tokens_BS].max(valid)
+
+
+def penalize(logits_BxV, penalty_B, presence_BxV):
+  """Repetition penalty (CTRL, as in HF transformers): logits of tokens already present are
+  divided by the penalty when positive and multiplied by it when negative; 1.0 is off."""
+  pen = penalty_B.reshape((-1,) + (1,) * (logits_BxV.ndim - 1))
+  hit = jnp.where(logits_BxV > 0, logits_BxV / pen, logits_BxV * pen)
+  return jnp.where(presence_BxV, hit, logits_BxV)
+
+
+def process_logits(logits_BxV, temperature_B, top_k_B, top_p_B, penalty_B=None,
+                   presence_BxV=None):
   """-> log-probabilities [B, ..., V] of the processed distribution, in f32.
 
-  temperature 0 gives a one-hot distribution on the argmax; top_k 0 and top_p 1 disable those
-  filters. Extra axes between B and V (positions) share their row's parameters.
+  The repetition penalty (if given) applies first, then temperature 0 gives a one-hot
+  distribution on the argmax; top_k 0 and top_p 1 disable those filters. Extra axes between B
+  and V (positions) share their row's parameters.
   """
   logits = logits_BxV.astype(jnp.float32)
+  if penalty_B is not None:
+    logits = penalize(logits, penalty_B, presence_BxV)
   extra = (1,) * (logits.ndim - 2)
   t = temperature_B.reshape((-1,) + extra + (1,))
   k = top_k_B.reshape((-1,) + extra + (1,))

@@ -60,6 +60,30 @@ def test_greedy_speculative_equals_plain_greedy(tiny_model, k):
     assert r.token_ids == ref
 
 
+def test_greedy_with_repetition_penalty_equals_the_reference(tiny_model):
+  """Greedy rows with a repetition penalty go through the sampling variant as one-hot
+  distributions; they must still equal plain decoding and a direct reference loop."""
+  (mcfg, hcfg, params, tok), cfg = tiny_model
+  prompts = _prompts(cfg, tok, 3, seed=11)
+  reqs = [api.Request(p, 24, 0.0, 0, 1.0, 1.8) for p in prompts]
+  plain = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, k=0, ring_size=8))
+  spec = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, k=3, ring_size=8))
+  a, b = plain.run(reqs), spec.run(reqs)
+  assert [r.token_ids for r in a] == [r.token_ids for r in b]
+  from mtp_jax import model as M, sampling as S
+  m = M.bind(spec.engine.graphdef, params)
+  for p, r in zip(prompts, a):
+    seq = list(p)
+    for _ in range(len(r.token_ids)):
+      h, _ = m(jnp.asarray([seq]), jnp.arange(len(seq))[None])
+      pres = jnp.zeros((1, mcfg.vocab_size), bool).at[0, jnp.asarray(seq)].set(True)
+      logits = S.penalize(m.logits(h[:, -1]), jnp.array([1.8]), pres)
+      seq.append(int(jnp.argmax(logits[0])))
+    assert seq[len(p):] == r.token_ids
+  no_penalty = plain.run([api.Request(p, 24) for p in prompts])
+  assert [r.token_ids for r in no_penalty] != [r.token_ids for r in a]
+
+
 def test_rows_stop_when_the_cache_is_full(tiny_model):
   (mcfg, hcfg, params, tok), cfg = tiny_model
   dec = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, k=2, max_len=48))
@@ -69,15 +93,16 @@ def test_rows_stop_when_the_cache_is_full(tiny_model):
     assert 20 + len(out.token_ids) == 48 - 2 - 1
 
 
-def _sample_engine(mcfg, hcfg, params, tok, k, n_rounds, batch, prompt, max_new, seed, top_k=4):
+def _sample_engine(mcfg, hcfg, params, tok, k, n_rounds, batch, prompt, max_new, seed, top_k=4,
+                   penalty=1.0):
   eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=batch, k=k, ring_size=8), tok.eod_id)
   rows = []
   for r in range(n_rounds):
     key = jax.random.key(seed * 1000 + r)
     state = eng.init_state(seed * 1000 + r)
     prefix = eng.prefill(params, [prompt] * batch, key, [1.0] * batch, [top_k] * batch,
-                         [1.0] * batch)
-    state = eng.insert(prefix, state, list(range(batch)), max_new, 1.0, top_k, 1.0)
+                         [1.0] * batch, [penalty] * batch)
+    state = eng.insert(prefix, state, list(range(batch)), max_new, 1.0, top_k, 1.0, penalty)
     state = eng.generate(params, state, 8, sample=True)
     toks = np.asarray(state.tokens)[:, len(prompt): len(prompt) + max_new]
     lens = np.asarray(state.length) - len(prompt)
@@ -85,15 +110,18 @@ def _sample_engine(mcfg, hcfg, params, tok, k, n_rounds, batch, prompt, max_new,
   return np.concatenate(rows), E.stats(state)
 
 
-def test_sampling_is_lossless(tiny_model):
+@pytest.mark.parametrize("penalty", [1.0, 3.0])
+def test_sampling_is_lossless(tiny_model, penalty):
   """The 2nd and 3rd generated tokens (produced by draft-and-verify steps, the 1st comes from
   prefill) follow the same distribution with k = 3 as with plain sampling. Two-sample chi-square
   test of homogeneity on the joint (2nd, 3rd) pairs, categories with fewer than 20 samples in
   all pooled; the test fails below p = 1e-4 (a correct engine fails once in 10,000 runs)."""
   (mcfg, hcfg, params, tok), cfg = tiny_model
   prompt = _prompts(cfg, tok, 1, seed=3)[0][:12]
-  plain, _ = _sample_engine(mcfg, hcfg, params, tok, 0, 24, 64, prompt, 3, seed=1)
-  spec, st = _sample_engine(mcfg, hcfg, params, tok, 3, 24, 64, prompt, 3, seed=2)
+  plain, _ = _sample_engine(mcfg, hcfg, params, tok, 0, 24, 64, prompt, 3, seed=1,
+                            penalty=penalty)
+  spec, st = _sample_engine(mcfg, hcfg, params, tok, 3, 24, 64, prompt, 3, seed=2,
+                            penalty=penalty)
   assert sum(st["accepted"]) > 0.1 * sum(st["drafted"]), st
   def pairs(x):
     return [f"{a},{b}" for a, b in x[:, 1:3]]

@@ -20,6 +20,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 tests
 
 demo: $(STAMP)
+	mkdir -p out && rm -f out/demo.jsonl
+	$(BIN)/mtp-infer --model=pretrained/demo --input=infer/demo_prompts.jsonl --output=out/demo.jsonl --max_new_tokens=96
 	$(BIN)/python -m infer.demo --model=pretrained/demo
 
 clean:

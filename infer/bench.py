@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from mtp_jax import benchmark
 from mtp_jax import checkpoint as ckpt_lib
@@ -47,6 +47,7 @@ def main(argv):
 
 
 def run():
+  logging.set_verbosity(logging.WARNING)  # orbax logs every file it reads at INFO
   app.run(main)
 
 

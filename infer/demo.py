@@ -8,7 +8,7 @@ import json
 import sys
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from mtp_jax import api
 from mtp_jax import checkpoint as ckpt_lib
@@ -53,4 +53,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  logging.set_verbosity(logging.WARNING)
   app.run(main)

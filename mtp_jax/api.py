@@ -69,8 +69,9 @@ class Decoder:
                     repetition_penalty) for p in prompts]
     return self.run(reqs)
 
-  def run(self, requests: Sequence[Request]) -> list[Completion]:
-    """Decodes every request; results in request order."""
+  def run(self, requests: Sequence[Request], on_done=None) -> list[Completion]:
+    """Decodes every request; results in request order. `on_done(index, completion)` is called
+    as each request finishes (in finishing order), for streaming output."""
     eng, tok = self.engine, self.tokenizer
     b = eng.cfg.batch_size
     state = eng.init_state(self.seed)
@@ -109,6 +110,8 @@ class Decoder:
           continue
         results[r] = self._finish(requests[r], streams[slot], int(row_steps[slot]))
         total_steps += int(row_steps[slot])
+        if on_done is not None:
+          on_done(r, results[r])
         slot_req[slot] = -1
         free.append(slot)
 

@@ -52,11 +52,19 @@ class Decoder:
     self.last_stats: dict = {}
 
   @classmethod
-  def load(cls, model_dir: str, batch_size: int = 8, k: int = -1, max_len: int = 0,
-           ring_size: int = 32, seed: int = 0) -> "Decoder":
+  def load(cls, model_dir: str, batch_size: int = 8, k: int | str = -1, max_len: int = 0,
+           ring_size: int = 32, seed: int = 0, **decode_options) -> "Decoder":
+    """k: drafts per step (-1 all heads, 0 plain decoding) or 'auto' (adaptive, up to all
+    heads). decode_options: other DecodeConfig fields (confidence_threshold, ...)."""
     mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(model_dir)
-    dcfg = DecodeConfig(batch_size=batch_size, k=k, max_len=max_len, ring_size=ring_size)
+    adaptive = k == "auto"
+    dcfg = DecodeConfig(batch_size=batch_size, k=-1 if adaptive else int(k), max_len=max_len,
+                        ring_size=ring_size, adaptive=adaptive, **decode_options)
     return cls(mcfg, hcfg, params, tok, dcfg, seed)
+
+  def calibrate(self, table_path: str | None = None, force: bool = False) -> list[float]:
+    """Cost table of the adaptive controller (see Engine.calibrate)."""
+    return self.engine.calibrate(self.params, table_path, force)
 
   def warmup(self, max_prompt_len: int | None = None) -> int:
     """Compiles every shape serving can meet (see Engine.warmup)."""

@@ -183,9 +183,14 @@ class DecodeConfig:
   k: int = -1                       # drafts verified per step; -1 = all heads, 0 = plain decoding
   ring_size: int = 32               # steps per generate call (ring capacity R)
   min_bucket: int = 16              # smallest prefill bucket (buckets are powers of two)
+  adaptive: bool = False            # choose k in 0..k per step from costs and acceptance
+  confidence_threshold: float = 0.0 # cut a row's drafts at the first with head prob below this
+  accept_window: int = 16           # steps of the ring the acceptance rates are read from
 
   def __post_init__(self):
-    _positive(self, "batch_size", "ring_size", "min_bucket")
+    _positive(self, "batch_size", "ring_size", "min_bucket", "accept_window")
+    if not 0.0 <= self.confidence_threshold < 1.0:
+      _fail("decode.confidence_threshold", self.confidence_threshold, "must be in [0, 1)")
     if self.max_len < 0:
       _fail("decode.max_len", self.max_len, "must be >= 0")
     if self.k < -1:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from mtp_jax import adaptive
 from mtp_jax import cache as kv
 from mtp_jax import model as model_lib
 from mtp_jax import ring as ring_lib
@@ -38,6 +39,7 @@ class DecodeState:
   done: jax.Array          # [B] bool (free slots are done)
   drafts: jax.Array        # [B, Kd] drafts for the next step
   draft_logq: jax.Array    # [B, Kd, V] the heads' processed log-probabilities of those drafts
+  draft_conf: jax.Array    # [B, Kd] the heads' probability of each draft
   cache: kv.KVCache
   key: jax.Array
   temperature: jax.Array   # [B] f32, 0 = greedy
@@ -50,6 +52,8 @@ class DecodeState:
   row_emitted: jax.Array   # [B] tokens emitted by decode steps
   drafted: jax.Array       # [Kd] drafts verified, per draft position
   accepted: jax.Array      # [Kd] drafts accepted, per draft position
+  cost: jax.Array          # [Kd+1] seconds per step with k drafts (adaptive k)
+  k_force: jax.Array       # [] -1: the controller chooses k; else this k (calibration)
 
 
 @struct.dataclass
@@ -61,6 +65,7 @@ class Prefix:
   first: jax.Array         # [n] the first generated token
   drafts: jax.Array        # [n, Kd]
   draft_logq: jax.Array    # [n, Kd, V]
+  draft_conf: jax.Array    # [n, Kd]
 
 
 class Engine:
@@ -79,6 +84,9 @@ class Engine:
     self.eod_id = eod_id
     self.graphdef, _ = model_lib.abstract(model_cfg, heads_cfg)
     self.kd = self.cfg.k
+    # Seconds per step for k = 0..Kd; until calibrated, equal costs (the controller then only
+    # weighs expected tokens).
+    self.cost = [1.0] * (self.kd + 1)
     self.dtype = model_lib.compute_dtype(model_cfg)
     self._prefill = jax.jit(self._prefill_impl, static_argnames=("sample",))
     self._insert = jax.jit(self._insert_impl, donate_argnames=("state",))
@@ -93,13 +101,14 @@ class Engine:
         tokens=jnp.zeros((b, s), jnp.int32), length=jnp.ones((b,), jnp.int32),
         prompt_len=jnp.ones((b,), jnp.int32), stop_len=jnp.ones((b,), jnp.int32),
         done=jnp.ones((b,), bool), drafts=jnp.zeros((b, kd), jnp.int32),
-        draft_logq=jnp.zeros((b, kd, v), jnp.float32),
+        draft_logq=jnp.zeros((b, kd, v), jnp.float32), draft_conf=jnp.zeros((b, kd), jnp.float32),
         cache=kv.init_cache(self.model_cfg, b, s, self.dtype), key=jax.random.key(seed),
         temperature=jnp.zeros((b,), jnp.float32), top_k=jnp.zeros((b,), jnp.int32),
         top_p=jnp.ones((b,), jnp.float32), penalty=jnp.ones((b,), jnp.float32),
         ring=ring_lib.init_ring(self.cfg.ring_size, b, kd), step=jnp.zeros((), jnp.int32),
         row_steps=jnp.zeros((b,), jnp.int32), row_emitted=jnp.zeros((b,), jnp.int32),
-        drafted=jnp.zeros((kd,), jnp.int32), accepted=jnp.zeros((kd,), jnp.int32))
+        drafted=jnp.zeros((kd,), jnp.int32), accepted=jnp.zeros((kd,), jnp.int32),
+        cost=jnp.asarray(self.cost, jnp.float32), k_force=jnp.asarray(-1, jnp.int32))
 
   def bucket(self, n: int) -> int:
     """The prefill bucket (a power of two >= min_bucket, at most max_len - k - 1) for n tokens."""
@@ -111,6 +120,18 @@ class Engine:
     while b < n:
       b *= 2
     return min(b, cap)
+
+  def calibrate(self, params, table_path: str | None = None, force: bool = False) -> list[float]:
+    """Sets the cost table c(k), k = 0..Kd: read from table_path (by device kind, model, slot
+    count) unless `force`, else measured now and stored there."""
+    path = table_path or adaptive.default_table_path()
+    key = adaptive.table_key(self)
+    cost = None if force else adaptive.load_table(path, key)
+    if cost is None or len(cost) != self.kd + 1:
+      cost = adaptive.measure_costs(self, params)
+      adaptive.save_table(path, key, cost)
+    self.cost = cost
+    return cost
 
   def buckets(self, max_prompt_len: int | None = None) -> list[int]:
     top = self.bucket(max_prompt_len or self.cfg.max_len - self.kd - 1)
@@ -137,18 +158,22 @@ class Engine:
   # ------------------------------------------------------------------ drafting
 
   def _draft(self, m, h_BD, key, sp, presence_BV, sample: bool):
-    """Drafts from the heads at one hidden state per row -> (drafts [B, Kd], logq [B, Kd, V]).
+    """Drafts from the heads at one hidden state per row
+    -> (drafts [B, Kd], logq [B, Kd, V], the heads' probability of each draft [B, Kd]).
 
     When sampling, draft i is drawn from head i's processed distribution, whose repetition
     penalty also counts drafts 1..i-1 (the history the trunk will verify it against).
     """
     b, v = h_BD.shape[0], self.model_cfg.vocab_size
     if self.kd == 0:
-      return jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, v), jnp.float32)
+      return (jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, v), jnp.float32),
+              jnp.zeros((b, 0), jnp.float32))
     hh = m.head_hidden(h_BD[:, None])[:, 0, : self.kd]                  # [B, Kd, D]
     logits = m.logits(hh)                                               # [B, Kd, V]
     if not sample:
-      return jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((b, self.kd, v), jnp.float32)
+      conf = jnp.max(jax.nn.softmax(logits, -1), -1)
+      return (jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((b, self.kd, v), jnp.float32),
+              conf)
     drafts, logqs = [], []
     for i, sub in enumerate(jax.random.split(key, self.kd)):
       logq = sampling.process_logits(logits[:, i], *sp, presence_BV)
@@ -156,7 +181,8 @@ class Engine:
       presence_BV = presence_BV.at[jnp.arange(b), d].set(True)
       drafts.append(d)
       logqs.append(logq)
-    return jnp.stack(drafts, 1), jnp.stack(logqs, 1)
+    drafts, logq = jnp.stack(drafts, 1), jnp.stack(logqs, 1)
+    return drafts, logq, jnp.exp(jnp.take_along_axis(logq, drafts[..., None], -1)[..., 0])
 
   # ------------------------------------------------------------------ prefill / insert
 
@@ -177,9 +203,9 @@ class Engine:
       presence = presence.at[jnp.arange(n), first].set(True)
     else:
       first = jnp.argmax(logits, -1).astype(jnp.int32)
-    drafts, logq = self._draft(m, h_last, k_draft, sp, presence, sample)
+    drafts, logq, conf = self._draft(m, h_last, k_draft, sp, presence, sample)
     return Prefix(tokens=tokens_NP, length=length_N, cache=cache, first=first, drafts=drafts,
-                  draft_logq=logq)
+                  draft_logq=logq, draft_conf=conf)
 
   def prefill(self, params, prompts: list[list[int]], key, temperature, top_k, top_p,
               penalty=None) -> Prefix:
@@ -219,6 +245,7 @@ class Engine:
         stop_len=state.stop_len.at[slots].set(stop_len), done=state.done.at[slots].set(done),
         drafts=state.drafts.at[slots].set(prefix.drafts),
         draft_logq=state.draft_logq.at[slots].set(prefix.draft_logq),
+        draft_conf=state.draft_conf.at[slots].set(prefix.draft_conf),
         cache=kv.KVCache(k=k, v=v),
         temperature=state.temperature.at[slots].set(temperature),
         top_k=state.top_k.at[slots].set(top_k), top_p=state.top_p.at[slots].set(top_p),
@@ -236,11 +263,13 @@ class Engine:
   # ------------------------------------------------------------------ the step
 
   def step(self, m, state: DecodeState, k: int, sample: bool) -> DecodeState:
-    """One draft-and-verify step with k drafts (static), for all rows."""
+    """One draft-and-verify step with k drafts (static), for all rows. With a confidence
+    threshold, a row verifies only its drafts before the first one its head doubts."""
     b = state.length.shape[0]
     length = state.length
     last = jnp.take_along_axis(state.tokens, (length - 1)[:, None], axis=1)
     drafts = state.drafts[:, :k]
+    k_row = jnp.minimum(self.row_cut(state.draft_conf), k)
     inp = jnp.concatenate([last, drafts], axis=1)                       # [B, k+1]
     pos = (length - 1)[:, None] + jnp.arange(k + 1)[None]
     h, cache = m(inp, pos, state.cache)
@@ -248,15 +277,16 @@ class Engine:
     key, k_verify, k_draft = jax.random.split(state.key, 3)
     sp = (state.temperature, state.top_k, state.top_p, state.penalty)
     v = self.model_cfg.vocab_size
+    cut = k_row if self.cfg.confidence_threshold > 0 else None
     if sample:
       # Position j is verified against the history plus drafts 1..j.
       base = sampling.presence(state.tokens, length, v)
       seen = jnp.cumsum(jax.nn.one_hot(drafts, v, dtype=jnp.int32), axis=1) > 0   # [B, k, V]
       pres = jnp.concatenate([base[:, None], base[:, None] | seen], axis=1)      # [B, k+1, V]
       logp = sampling.process_logits(logits, *sp, pres)
-      n, out = sampling.verify_sampling(k_verify, drafts, state.draft_logq[:, :k], logp)
+      n, out = sampling.verify_sampling(k_verify, drafts, state.draft_logq[:, :k], logp, cut)
     else:
-      n, out = sampling.verify_greedy(drafts, logits)
+      n, out = sampling.verify_greedy(drafts, logits, cut)
     active = ~state.done
     idx = jnp.arange(k + 1)[None]
     eod_at = jnp.min(jnp.where(out == self.eod_id, idx, k + 1), axis=1)
@@ -268,21 +298,42 @@ class Engine:
     done = state.done | (new_length >= state.stop_len) | (active & (eod_at < n_emit))
     h_last = jnp.take_along_axis(h, n[:, None, None], axis=1)[:, 0]
     new_pres = sampling.presence(tokens, new_length, v) if sample else None
-    new_drafts, logq = self._draft(m, h_last, k_draft, sp, new_pres, sample)
+    new_drafts, logq, conf = self._draft(m, h_last, k_draft, sp, new_pres, sample)
     n_active = jnp.sum(active.astype(jnp.int32))
-    pos_k = jnp.arange(self.kd)
-    drafted = state.drafted + jnp.where(pos_k < k, n_active, 0)
+    verified = jnp.where(active, k_row, 0)
+    pos_k = jnp.arange(self.kd)[None]
+    drafted = state.drafted + jnp.sum((pos_k < verified[:, None]).astype(jnp.int32), 0)
     accepted = state.accepted + jnp.sum(
-        (active[:, None] & (n[:, None] > pos_k[None]) & (pos_k[None] < k)).astype(jnp.int32), 0)
-    ring = ring_lib.record(state.ring, state.step, out, n_emit, k, n_active)
+        (active[:, None] & (n[:, None] > pos_k)).astype(jnp.int32), 0)
+    ring = ring_lib.record(state.ring, state.step, out, n_emit, verified, jnp.where(active, n, 0),
+                           k, n_active)
     return state.replace(
         tokens=tokens, length=new_length, done=done, drafts=new_drafts, draft_logq=logq,
-        cache=cache, key=key, ring=ring, step=state.step + 1,
+        draft_conf=conf, cache=cache, key=key, ring=ring, step=state.step + 1,
         row_steps=state.row_steps + active.astype(jnp.int32),
         row_emitted=state.row_emitted + n_emit, drafted=drafted, accepted=accepted)
 
+  def row_cut(self, conf_BK):
+    """Per row, the index of the first draft whose confidence is below the threshold."""
+    if self.cfg.confidence_threshold <= 0 or self.kd == 0:
+      return jnp.full(conf_BK.shape[:1], self.kd, jnp.int32)
+    low = conf_BK < self.cfg.confidence_threshold
+    return jnp.where(jnp.any(low, 1), jnp.argmax(low, 1), self.kd).astype(jnp.int32)
+
+  def choose_k(self, state: DecodeState):
+    """The controller: k for the next step, on the device (see adaptive.py)."""
+    rate, trials = adaptive.window_rates(state.ring, state.step, self.cfg.accept_window, self.kd)
+    alpha = adaptive.row_alpha(rate, trials, state.draft_conf, self.row_cut(state.draft_conf))
+    k = adaptive.choose_k(state.cost, adaptive.expected_emitted(alpha, ~state.done))
+    return jnp.where(state.k_force >= 0, state.k_force, k)
+
   def _generate_impl(self, params, state: DecodeState, num_steps, sample: bool):
     m = model_lib.bind(self.graphdef, params)
+    if self.cfg.adaptive:
+      branches = [lambda st, k=k: self.step(m, st, k, sample) for k in range(self.kd + 1)]
+      one_step = lambda st: jax.lax.switch(self.choose_k(st), branches, st)
+    else:
+      one_step = lambda st: self.step(m, st, self.kd, sample)
 
     def cond(carry):
       i, st = carry
@@ -290,7 +341,7 @@ class Engine:
 
     def body(carry):
       i, st = carry
-      return i + 1, self.step(m, st, self.kd, sample)
+      return i + 1, one_step(st)
 
     _, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
     return state

@@ -74,19 +74,26 @@ def sample(key, logp_BxV):
   return jax.random.categorical(key, logp_BxV, axis=-1).astype(jnp.int32)
 
 
-def verify_greedy(drafts_BK, target_logits_BKV):
-  """-> (accepted count n [B], emitted tokens [B, k+1]; the first n+1 are valid)."""
+def verify_greedy(drafts_BK, target_logits_BKV, k_row_B=None):
+  """-> (accepted count n [B], emitted tokens [B, k+1]; the first n+1 are valid).
+
+  k_row_B (optional) verifies only each row's first k_row drafts (a row's chain cut early).
+  """
   target = jnp.argmax(target_logits_BKV, -1).astype(jnp.int32)     # [B, k+1]
   k = drafts_BK.shape[1]
   match = drafts_BK == target[:, :k]
+  if k_row_B is not None:
+    match &= jnp.arange(k)[None] < k_row_B[:, None]
   n = jnp.sum(jnp.cumprod(match, axis=1), axis=1).astype(jnp.int32)
   return n, target
 
 
-def verify_sampling(key, drafts_BK, draft_logq_BKV, target_logp_BKV):
+def verify_sampling(key, drafts_BK, draft_logq_BKV, target_logp_BKV, k_row_B=None):
   """Lossless rejection sampling. target_logp has k+1 positions; draft_logq has k.
 
   -> (accepted count n [B], emitted tokens [B, k+1]; the first n+1 are valid).
+  k_row_B (optional) verifies only each row's first k_row drafts: at position k_row the extra
+  token is drawn from p itself, as if the row had drafted k_row tokens, so it stays lossless.
   """
   b, k = drafts_BK.shape
   k_u, k_s = jax.random.split(key)
@@ -99,11 +106,15 @@ def verify_sampling(key, drafts_BK, draft_logq_BKV, target_logp_BKV):
   u = jax.random.uniform(k_u, (b, k))
   # u < p/q  <=>  u * q < p  (no division; q_d > 0 for a sampled draft).
   accept = u * q_d < p_d
+  if k_row_B is not None:
+    accept &= jnp.arange(k)[None] < k_row_B[:, None]
   n = jnp.sum(jnp.cumprod(accept, axis=1), axis=1).astype(jnp.int32)
   residual = jnp.maximum(p[:, :k] - q, 0.0)
   mass = jnp.sum(residual, -1, keepdims=True)
   # Where p <= q everywhere (p == q), a rejection cannot happen; fall back to p for safety.
   residual = jnp.where(mass > 0, residual / jnp.maximum(mass, 1e-30), p[:, :k])
+  if k_row_B is not None:       # positions at or past a row's cut were never drafted: use p
+    residual = jnp.where((jnp.arange(k)[None] >= k_row_B[:, None])[..., None], p[:, :k], residual)
   correction = jnp.concatenate([residual, p[:, k:]], axis=1)            # [B, k+1, V]
   extra = sample(k_s, jnp.log(jnp.maximum(correction, 1e-38)) + jnp.where(correction > 0, 0.0, NEG_INF))
   tokens = jnp.concatenate([drafts_BK, jnp.zeros((b, 1), jnp.int32)], axis=1)

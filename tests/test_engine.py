@@ -36,14 +36,21 @@ def _prompts(cfg, tok, n, seed=0):
   return out
 
 
-@pytest.mark.parametrize("k", [1, 2, 4])
-def test_greedy_speculative_equals_plain_greedy(tiny_model, k):
+@pytest.mark.parametrize("k, threshold", [(1, 0.0), (2, 0.0), (4, 0.0), (4, "median")])
+def test_greedy_speculative_equals_plain_greedy(tiny_model, k, threshold):
   (mcfg, hcfg, params, tok), cfg = tiny_model
   prompts = _prompts(cfg, tok, 7)
+  if threshold == "median":
+    # A confidence threshold that cuts about half of the chains of these prompts.
+    eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=1, k=k), tok.eod_id)
+    confs = [np.asarray(eng.prefill(params, [p], jax.random.key(0), [0.0], [0], [1.0])
+                        .draft_conf)[0, 1] for p in prompts]
+    threshold = float(np.median(confs))
   max_new = [5, 40, 17, 33, 1, 26, 40]
   reqs = [api.Request(p, m) for p, m in zip(prompts, max_new)]
   plain = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=3, k=0, ring_size=8))
-  spec = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=3, k=k, ring_size=8))
+  spec = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=3, k=k, ring_size=8,
+                                                          confidence_threshold=threshold))
   a, b = plain.run(reqs), spec.run(reqs)
   for ra, rb in zip(a, b):
     assert ra.token_ids == rb.token_ids and ra.finish_reason == rb.finish_reason
@@ -94,8 +101,9 @@ def test_rows_stop_when_the_cache_is_full(tiny_model):
 
 
 def _sample_engine(mcfg, hcfg, params, tok, k, n_rounds, batch, prompt, max_new, seed, top_k=4,
-                   penalty=1.0):
-  eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=batch, k=k, ring_size=8), tok.eod_id)
+                   penalty=1.0, threshold=0.0):
+  eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=batch, k=k, ring_size=8,
+                                          confidence_threshold=threshold), tok.eod_id)
   rows = []
   for r in range(n_rounds):
     key = jax.random.key(seed * 1000 + r)
@@ -110,19 +118,25 @@ def _sample_engine(mcfg, hcfg, params, tok, k, n_rounds, batch, prompt, max_new,
   return np.concatenate(rows), E.stats(state)
 
 
-@pytest.mark.parametrize("penalty", [1.0, 3.0])
-def test_sampling_is_lossless(tiny_model, penalty):
+@pytest.mark.parametrize("penalty, threshold", [(1.0, 0.0), (3.0, 0.0), (1.0, "median")])
+def test_sampling_is_lossless(tiny_model, penalty, threshold):
   """The 2nd and 3rd generated tokens (produced by draft-and-verify steps, the 1st comes from
   prefill) follow the same distribution with k = 3 as with plain sampling. Two-sample chi-square
   test of homogeneity on the joint (2nd, 3rd) pairs, categories with fewer than 20 samples in
   all pooled; the test fails below p = 1e-4 (a correct engine fails once in 10,000 runs)."""
   (mcfg, hcfg, params, tok), cfg = tiny_model
   prompt = _prompts(cfg, tok, 1, seed=3)[0][:12]
+  if threshold == "median":      # cut about half of the chains at their first draft
+    eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=64, k=3), tok.eod_id)
+    pre = eng.prefill(params, [prompt] * 64, jax.random.key(9), [1.0] * 64, [4] * 64, [1.0] * 64)
+    threshold = float(np.median(np.asarray(pre.draft_conf)[:, 0]))
   plain, _ = _sample_engine(mcfg, hcfg, params, tok, 0, 24, 64, prompt, 3, seed=1,
                             penalty=penalty)
   spec, st = _sample_engine(mcfg, hcfg, params, tok, 3, 24, 64, prompt, 3, seed=2,
-                            penalty=penalty)
+                            penalty=penalty, threshold=threshold)
   assert sum(st["accepted"]) > 0.1 * sum(st["drafted"]), st
+  if threshold:
+    assert sum(st["drafted"]) < 0.9 * 3 * 24 * 64 * 2, "the threshold cut no chain"
   def pairs(x):
     return [f"{a},{b}" for a, b in x[:, 1:3]]
   pa, pb = pairs(plain), pairs(spec)

@@ -1,0 +1,139 @@
+"""Adaptive prediction length: choose the number of drafts k for the next step, on the device.
+
+Speculation pays while a step is memory bound (verifying k+1 tokens costs about as much as one)
+and stops paying when the batch makes it compute bound. The controller picks
+
+  k* = argmax_k  sum over active rows of E[emitted | k]  /  c(k),      k in 0..K_max,
+
+where c(k) is the measured time of one step with k drafts at the engine's slot count (the cost
+table) and E[emitted | k] = 1 + sum_{j<=k} prod_{i<=j} alpha_{row,i}. The per-row acceptance
+estimate alpha blends the windowed per-position conditional acceptance rate read from the ring
+with the head's own confidence in this step's first draft (see row_alpha); with a confidence
+threshold a row's chain is cut at its first doubtful draft. k = 0 is plain decoding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtp_jax import ring as ring_lib
+
+PRIOR_TRIALS = 16.0   # trials after which the windowed rate outweighs the confidences
+
+
+def window_rates(ring: ring_lib.Ring, step, window: int, k_max: int):
+  """Per draft position i: the conditional acceptance rate P(accept i | reached i) over the last
+  `window` steps, and the number of trials. -> (rate [K], trials [K])."""
+  r = ring.capacity
+  age = (step - 1 - jnp.arange(r)) % r              # 0 = the newest record
+  valid = (age < jnp.minimum(window, step))[:, None]                       # [R, 1]
+  pos = jnp.arange(k_max)[None, None]                                      # [1, 1, K]
+  verified, accepted = ring.verified[..., None], ring.accepted[..., None]  # [R, B, 1]
+  trials = valid[..., None] & (verified > pos) & (accepted >= pos)
+  hits = trials & (accepted > pos)
+  n_trials = jnp.sum(trials, (0, 1)).astype(jnp.float32)
+  n_hits = jnp.sum(hits, (0, 1)).astype(jnp.float32)
+  return n_hits / jnp.maximum(n_trials, 1.0), n_trials
+
+
+def row_alpha(rate_K, trials_K, conf_BK, cut_B):
+  """Per row and position, the estimated acceptance probability (0 past the row's cut).
+
+  Each position blends its windowed rate with a prior, by the number of trials it had: the
+  prior of position 1 is the head's confidence in this step's draft, that of a later position is
+  the estimate of the position before it (so a position never tried yet is expected to do as
+  well as the last one tried, and gets tried when that pays).
+  """
+  lam = trials_K / (trials_K + PRIOR_TRIALS)
+  cols, prior = [], conf_BK[:, 0]
+  for i in range(conf_BK.shape[1]):
+    a = lam[i] * rate_K[i] + (1.0 - lam[i]) * prior
+    cols.append(a)
+    prior = a
+  alpha = jnp.stack(cols, 1)
+  pos = jnp.arange(conf_BK.shape[1])[None]
+  return jnp.where(pos < cut_B[:, None], jnp.clip(alpha, 0.0, 1.0), 0.0)
+
+
+def expected_emitted(alpha_BK, active_B):
+  """-> [K+1]: sum over active rows of E[emitted tokens | k drafts], k = 0..K."""
+  run = jnp.cumprod(alpha_BK, axis=1)                                      # P(first j accepted)
+  e = 1.0 + jnp.concatenate([jnp.zeros_like(run[:, :1]), jnp.cumsum(run, axis=1)], axis=1)
+  return jnp.sum(jnp.where(active_B[:, None], e, 0.0), axis=0)
+
+
+def choose_k(cost_K1, expected_K1):
+  """argmax_k expected[k] / cost[k]; ties go to the smaller k."""
+  return jnp.argmax(expected_K1 / cost_K1).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- the cost table
+
+
+def table_key(engine) -> str:
+  m, d = engine.model_cfg, engine.cfg
+  dev = jax.devices()[0]
+  model = hashlib.sha1(repr((m, engine.heads_cfg)).encode()).hexdigest()[:12]
+  return f"{dev.platform}:{getattr(dev, 'device_kind', '')}|model={model}|slots={d.batch_size}" \
+         f"|max_len={d.max_len}|k_max={engine.kd}"
+
+
+def default_table_path() -> str:
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "mtp_jax", "cost_tables.json")
+
+
+def load_table(path: str, key: str):
+  try:
+    with open(path) as f:
+      tables = json.load(f)
+  except (OSError, json.JSONDecodeError):
+    return None
+  entry = tables.get(key)
+  return None if entry is None else [float(x) for x in entry["cost_s"]]
+
+
+def save_table(path: str, key: str, cost: list[float]):
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  try:
+    with open(path) as f:
+      tables = json.load(f)
+  except (OSError, json.JSONDecodeError):
+    tables = {}
+  tables[key] = {"cost_s": cost, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(tables, f, indent=2)
+  os.replace(tmp, path)
+
+
+def measure_costs(engine, params, steps: int = 8, repeats: int = 3) -> list[float]:
+  """Seconds per step with k = 0..K_max drafts, every slot active (warm, median of repeats)."""
+  b = engine.cfg.batch_size
+  rng = np.random.default_rng(0)
+  costs = []
+  for k in range(engine.kd + 1):
+    times = []
+    for rep in range(repeats + 1):                   # the first run compiles / warms up
+      state = engine.init_state()
+      prompts = [list(rng.integers(0, engine.model_cfg.vocab_size, 8)) for _ in range(b)]
+      prefix = engine.prefill(params, prompts, jax.random.key(rep), [0.0] * b, [0] * b, [1.0] * b)
+      state = engine.insert(prefix, state, list(range(b)), engine.cfg.max_len, 0.0, 0, 1.0)
+      state = state.replace(k_force=jnp.asarray(k, jnp.int32))
+      jax.block_until_ready(state)
+      n = min(steps, engine.cfg.ring_size)
+      t0 = time.perf_counter()
+      state = engine.generate(params, state, n, sample=False)
+      ran = int(state.step)
+      dt = time.perf_counter() - t0
+      if rep:
+        times.append(dt / max(ran, 1))
+    costs.append(float(np.median(times)))
+  return costs

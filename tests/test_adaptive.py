@@ -1,0 +1,117 @@
+"""The adaptive controller: synthetic costs and acceptance, the ring statistics, and k changing
+between steps without recompiles or any change of the output."""
+
+import itertools
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtp_jax import adaptive as A
+from mtp_jax import api
+from mtp_jax import checkpoint as ckpt_lib
+from mtp_jax import ring as ring_lib
+from mtp_jax.config import DecodeConfig
+
+
+def _choose(cost, alpha, active=None):
+  alpha = jnp.asarray(alpha, jnp.float32)
+  active = jnp.ones(alpha.shape[:1], bool) if active is None else jnp.asarray(active)
+  return int(A.choose_k(jnp.asarray(cost, jnp.float32), A.expected_emitted(alpha, active)))
+
+
+def test_picks_zero_when_drafting_cannot_pay():
+  # Verification cost grows with k as fast as compute-bound decoding: k+1 tokens cost k+1 steps.
+  assert _choose([1.0, 2.0, 3.0, 4.0], np.full((64, 3), 0.9)) == 0
+  # Nearly free verification but heads never right.
+  assert _choose([1.0, 1.01, 1.02, 1.03], np.zeros((4, 3))) == 0
+
+
+def test_picks_k_max_when_verification_is_free_and_acceptance_high():
+  assert _choose([1.0, 1.01, 1.02, 1.03], np.full((4, 3), 0.9)) == 3
+
+
+def test_argmax_matches_brute_force():
+  rng = np.random.default_rng(0)
+  for _ in range(200):
+    k_max = int(rng.integers(1, 5))
+    b = int(rng.integers(1, 9))
+    alpha = rng.uniform(0, 1, (b, k_max))
+    active = rng.uniform(size=b) < 0.8
+    cost = np.cumsum(rng.uniform(0.01, 1.0, k_max + 1))
+    best, best_k = -1, None
+    for k in range(k_max + 1):
+      e = sum(1 + sum(np.prod(alpha[r, :j + 1]) for j in range(k)) for r in range(b) if active[r])
+      if e / cost[k] > best + 1e-9:
+        best, best_k = e / cost[k], k
+    assert _choose(cost, alpha, active) == best_k
+
+
+def test_window_rates_are_conditional_per_position():
+  ring = ring_lib.init_ring(4, 2, 3)
+  # Step 0: row 0 verified 3, accepted 1; row 1 verified 3, accepted 3.
+  ring = ring_lib.record(ring, 0, jnp.zeros((2, 4), jnp.int32), jnp.array([2, 4]),
+                         jnp.array([3, 3]), jnp.array([1, 3]), 3, 2)
+  # Step 1: row 0 inactive; row 1 verified 2, accepted 0.
+  ring = ring_lib.record(ring, 1, jnp.zeros((2, 4), jnp.int32), jnp.array([0, 1]),
+                         jnp.array([0, 2]), jnp.array([0, 0]), 2, 1)
+  rate, trials = A.window_rates(ring, jnp.asarray(2), 16, 3)
+  # position 0: trials 3 (r0s0, r1s0, r1s1), hits 2; position 1: reached by r0s0 (acc>=1) and r1s0
+  # -> trials 2, hits 1 (r1s0); position 2: reached by r1s0 only -> 1 trial, 1 hit.
+  np.testing.assert_allclose(np.asarray(trials), [3, 2, 1])
+  np.testing.assert_allclose(np.asarray(rate), [2 / 3, 1 / 2, 1.0])
+  rate, trials = A.window_rates(ring, jnp.asarray(2), 1, 3)       # only the newest step
+  np.testing.assert_allclose(np.asarray(trials), [1, 0, 0])
+
+
+def test_cost_table_round_trip(tmp_path):
+  path = str(tmp_path / "c.json")
+  assert A.load_table(path, "x") is None
+  A.save_table(path, "x", [1.0, 2.0])
+  A.save_table(path, "y", [3.0])
+  assert A.load_table(path, "x") == [1.0, 2.0] and A.load_table(path, "y") == [3.0]
+
+
+class _Compiles(logging.Handler):
+  def __init__(self):
+    super().__init__()
+    self.n = 0
+
+  def emit(self, record):
+    self.n += "Compiling" in record.getMessage()
+
+
+def test_k_changes_between_steps_without_recompiles_and_output_is_unchanged(trained_tiny):
+  _, workdir, _ = trained_tiny
+  mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
+  prompts = [tok.encode(t) for t in ("def f(x):\n", "import os\n\nclass A:\n", "    return x",
+                                     "for i in range(10):\n", "x = {'a': 1}\n")]
+  reqs = [api.Request(p, n) for p, n in zip(prompts, [30, 12, 40, 25, 33])]
+  plain = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, k=0)).run(reqs)
+  dec = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, adaptive=True, ring_size=8))
+  # Each draft costs 1% more: with the tiny heads' low confidences (~0.02) the controller starts
+  # at k=1, then raises k as the ring shows drafts being accepted.
+  dec.engine.cost = [1.0, 1.01, 1.02, 1.03, 1.04]
+  dec.warmup(16)
+  dec.run(reqs[:1])
+  counter = _Compiles()
+  logging.getLogger("jax").addHandler(counter)
+  ks = []
+  orig = ring_lib.Drain.finish
+  def spy(self):
+    out = orig(self)
+    ks.extend(np.asarray(out[2])[np.asarray(out[3]) > 0].tolist())
+    return out
+  try:
+    ring_lib.Drain.finish = spy
+    with jax.log_compiles(True):
+      out = dec.run(reqs)
+  finally:
+    ring_lib.Drain.finish = orig
+    logging.getLogger("jax").removeHandler(counter)
+  assert counter.n == 0
+  assert [c.token_ids for c in out] == [c.token_ids for c in plain]
+  assert len(set(ks)) >= 2, f"k never changed: {sorted(set(ks))}"

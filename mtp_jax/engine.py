@@ -39,7 +39,7 @@ class DecodeState:
   done: jax.Array          # [B] bool (free slots are done)
   drafts: jax.Array        # [B, Kd] drafts for the next step
   draft_logq: jax.Array    # [B, Kd, V] the heads' processed log-probabilities of those drafts
-  draft_conf: jax.Array    # [B, Kd] the heads' probability of each draft
+  draft_conf: jax.Array    # [B, Kd] the heads' confidence (peak probability) per draft
   cache: kv.KVCache
   key: jax.Array
   temperature: jax.Array   # [B] f32, 0 = greedy
@@ -159,7 +159,7 @@ class Engine:
 
   def _draft(self, m, h_BD, key, sp, presence_BV, sample: bool):
     """Drafts from the heads at one hidden state per row
-    -> (drafts [B, Kd], logq [B, Kd, V], the heads' probability of each draft [B, Kd]).
+    -> (drafts [B, Kd], logq [B, Kd, V], the heads' confidence: peak probability [B, Kd]).
 
     When sampling, draft i is drawn from head i's processed distribution, whose repetition
     penalty also counts drafts 1..i-1 (the history the trunk will verify it against).
@@ -182,7 +182,9 @@ class Engine:
       drafts.append(d)
       logqs.append(logq)
     drafts, logq = jnp.stack(drafts, 1), jnp.stack(logqs, 1)
-    return drafts, logq, jnp.exp(jnp.take_along_axis(logq, drafts[..., None], -1)[..., 0])
+    # The confidence is the peak of the head's distribution, not q(d_i): a cut that depended on
+    # the sampled draft itself would bias the output (rejection sampling assumes d_i ~ q_i).
+    return drafts, logq, jnp.exp(jnp.max(logq, -1))
 
   # ------------------------------------------------------------------ prefill / insert
 

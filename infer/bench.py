@@ -1,6 +1,6 @@
 """mtp-bench: throughput of plain vs speculative decoding across batch sizes, side by side.
 
-  mtp-bench --model=pretrained/demo --modes=vanilla,mtp:1,mtp:2,mtp:3 --batch_sizes=1,8 \
+  mtp-bench --model=pretrained/demo --modes=vanilla,mtp:1,mtp:2,mtp:3,adaptive --batch_sizes=1,8 \
             --max_new_tokens=128 [--out=DIR]
 """
 
@@ -15,7 +15,8 @@ from mtp_jax import benchmark
 from mtp_jax import checkpoint as ckpt_lib
 
 _MODEL = flags.DEFINE_string("model", "pretrained/demo", "A model directory.")
-_MODES = flags.DEFINE_list("modes", ["vanilla", "mtp:1", "mtp:2", "mtp:3"], "vanilla | mtp:K")
+_MODES = flags.DEFINE_list("modes", ["vanilla", "mtp:1", "mtp:2", "mtp:3", "adaptive"],
+                           "vanilla | mtp:K | adaptive")
 _BATCH = flags.DEFINE_list("batch_sizes", ["1", "8"], "Slot counts to measure.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt.")
 _PROMPT = flags.DEFINE_integer("prompt_tokens", 64, "Prompt length in tokens (held-out code).")

@@ -1,6 +1,6 @@
 """mtp-infer: a JSONL file of prompts in, a JSONL file of completions out, decoded speculatively.
 
-  mtp-infer --model=DIR --input=IN.jsonl --output=OUT.jsonl [--k=-1|0..K] [--batch_size=N]
+  mtp-infer --model=DIR --input=IN.jsonl --output=OUT.jsonl [--k=auto|0..K] [--batch_size=N]
             [--temperature=T] [--top_p=P] [--top_k=K] [--max_new_tokens=N] [--seed=S]
 
 Rerunning with the same --output resumes: ids already written are skipped.
@@ -17,7 +17,9 @@ from mtp_jax import checkpoint as ckpt_lib
 _MODEL = flags.DEFINE_string("model", None, "A model directory.")
 _INPUT = flags.DEFINE_string("input", None, "JSONL requests.")
 _OUTPUT = flags.DEFINE_string("output", None, "JSONL results (appended; resumes).")
-_K = flags.DEFINE_integer("k", -1, "Drafts per step: -1 all heads, 0 plain decoding.")
+_K = flags.DEFINE_string("k", "auto", "Drafts per step: 'auto' (adaptive), -1 all heads, 0 plain.")
+_CALIBRATE = flags.DEFINE_bool("calibrate", False, "Re-measure the cost table of --k=auto.")
+_COSTS = flags.DEFINE_string("cost_table", None, "Cost table JSON (default: ~/.cache/mtp_jax).")
 _BATCH = flags.DEFINE_integer("batch_size", 8, "Decode slots.")
 _TEMP = flags.DEFINE_float("temperature", 0.0, "Default temperature (0 = greedy).")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Default top-p.")
@@ -34,9 +36,12 @@ def main(argv):
   if not os.path.isfile(_INPUT.value):
     sys.exit(f"mtp-infer: error: input file not found: {_INPUT.value}")
   try:
-    dec = api.Decoder.load(_MODEL.value, batch_size=_BATCH.value, k=_K.value, seed=_SEED.value)
+    k = _K.value if _K.value == "auto" else int(_K.value)
+    dec = api.Decoder.load(_MODEL.value, batch_size=_BATCH.value, k=k, seed=_SEED.value)
   except (ckpt_lib.ModelDirError, ValueError) as e:
     sys.exit(f"mtp-infer: error: {e}")
+  if k == "auto":
+    dec.calibrate(_COSTS.value, force=_CALIBRATE.value)
   defaults = batch.Defaults(_MAX_NEW.value, _TEMP.value, _TOP_P.value, _TOP_K.value, _PEN.value)
   log = None if _QUIET.value else (lambda s: print(s, file=sys.stderr, flush=True))
   summary = batch.run_job(dec, _INPUT.value, _OUTPUT.value, defaults, log)

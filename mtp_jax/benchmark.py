@@ -1,6 +1,7 @@
 """Decoding benchmark: modes x batch sizes on the same prompts, measured side by side.
 
-A mode is 'vanilla' (plain decoding, k = 0) or 'mtp:K' (K drafts from the heads per step). Every
+A mode is 'vanilla' (plain decoding, k = 0), 'mtp:K' (K drafts from the heads per step) or
+'adaptive' (k chosen per step from the calibrated cost table and acceptance). Every
 (batch size, mode) pair gets its own compiled engine, warmed up before timing; timed runs of all
 modes are interleaved repeat by repeat, so that a noisy machine slows all of them alike.
 """
@@ -17,13 +18,15 @@ from mtp_jax import data as data_lib
 from mtp_jax.config import DataConfig, DecodeConfig
 
 
-def parse_mode(mode: str) -> int:
-  """'vanilla' -> 0, 'mtp:K' -> K."""
+def parse_mode(mode: str) -> int | str:
+  """'vanilla' -> 0, 'mtp:K' -> K, 'adaptive' -> 'auto'."""
   if mode == "vanilla":
     return 0
+  if mode == "adaptive":
+    return "auto"
   if mode.startswith("mtp:") and mode[4:].isdigit():
     return int(mode[4:])
-  raise ValueError(f"--modes: unknown mode {mode!r} (expected 'vanilla' or 'mtp:K')")
+  raise ValueError(f"--modes: unknown mode {mode!r} (expected 'vanilla', 'mtp:K' or 'adaptive')")
 
 
 def heldout_prompts(tokenizer, n: int, prompt_tokens: int, data_cfg: DataConfig | None = None,
@@ -59,7 +62,8 @@ class Result:
 
 
 def run(model_dir: str, modes: list[str], batch_sizes: list[int], max_new_tokens: int,
-        prompt_tokens: int = 64, rounds: int = 1, repeats: int = 2, log=print) -> list[Result]:
+        prompt_tokens: int = 64, rounds: int = 1, repeats: int = 2, log=print,
+        cost_table: str | None = None) -> list[Result]:
   base = api.Decoder.load(model_dir, batch_size=1, k=0)
   mcfg, hcfg = base.engine.model_cfg, base.engine.heads_cfg
   results = []
@@ -68,8 +72,12 @@ def run(model_dir: str, modes: list[str], batch_sizes: list[int], max_new_tokens
     reqs = [api.Request(p, max_new_tokens) for p in prompts]
     decoders = {}
     for mode in modes:
-      dec = api.Decoder(mcfg, hcfg, base.params, base.tokenizer,
-                        DecodeConfig(batch_size=b, k=parse_mode(mode), ring_size=32))
+      k = parse_mode(mode)
+      dcfg = DecodeConfig(batch_size=b, k=-1 if k == "auto" else k, ring_size=32,
+                          adaptive=k == "auto")
+      dec = api.Decoder(mcfg, hcfg, base.params, base.tokenizer, dcfg)
+      if k == "auto":
+        dec.calibrate(cost_table)
       dec.warmup(prompt_tokens)
       dec.run(reqs[:b])                                   # host-side helpers warmed too
       decoders[mode] = dec

@@ -87,6 +87,7 @@ class Engine:
     # Seconds per step for k = 0..Kd; until calibrated, equal costs (the controller then only
     # weighs expected tokens).
     self.cost = [1.0] * (self.kd + 1)
+    self.needs_conf = self.cfg.adaptive or self.cfg.confidence_threshold > 0
     self.dtype = model_lib.compute_dtype(model_cfg)
     self._prefill = jax.jit(self._prefill_impl, static_argnames=("sample",))
     self._insert = jax.jit(self._insert_impl, donate_argnames=("state",))
@@ -171,7 +172,9 @@ class Engine:
     hh = m.head_hidden(h_BD[:, None])[:, 0, : self.kd]                  # [B, Kd, D]
     logits = m.logits(hh)                                               # [B, Kd, V]
     if not sample:
-      conf = jnp.max(jax.nn.softmax(logits, -1), -1)
+      # Confidences feed only the controller and the threshold: skip the softmax otherwise.
+      conf = (jnp.max(jax.nn.softmax(logits, -1), -1) if self.needs_conf
+              else jnp.zeros((b, self.kd), jnp.float32))
       return (jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((b, self.kd, v), jnp.float32),
               conf)
     drafts, logqs = [], []

@@ -6,7 +6,7 @@ from configs import demo
 
 def get_config():
   c = demo.get_config()
-  c.train.update(mode="heads_only", steps=400, lr=2e-3, warmup_steps=20, head_loss_stride=1,
+  c.train.update(mode="heads_only", steps=800, lr=2e-3, warmup_steps=20, head_loss_stride=1,
                  distill_source="generated", distill_target="hard", distill_prompt_len=64,
                  eval_every=200)
   return c

@@ -80,7 +80,7 @@ class Decoder:
   def run(self, requests: Sequence[Request], on_done=None) -> list[Completion]:
     """Decodes every request; results in request order. `on_done(index, completion)` is called
     as each request finishes (in finishing order), for streaming output."""
-    eng, tok = self.engine, self.tokenizer
+    eng = self.engine
     b = eng.cfg.batch_size
     state = eng.init_state(self.seed)
     key = jax.random.key(self.seed + 1)
@@ -91,7 +91,6 @@ class Decoder:
     results: list[Completion | None] = [None] * len(requests)
     sampled = np.zeros((b,), bool)
     free = list(range(b))[::-1]
-    total_steps = 0
 
     def fill(state, key):
       while free and queue:
@@ -109,7 +108,6 @@ class Decoder:
 
     def collect(records):
       """Appends a drained chunk to the streams; finishes rows that are done."""
-      nonlocal total_steps
       tokens, emitted, _, _, done, row_steps = records
       ring_lib.append_streams(streams, tokens, emitted)
       for slot in range(b):
@@ -117,7 +115,6 @@ class Decoder:
         if r < 0 or not done[slot]:
           continue
         results[r] = self._finish(requests[r], streams[slot], int(row_steps[slot]))
-        total_steps += int(row_steps[slot])
         if on_done is not None:
           on_done(r, results[r])
         slot_req[slot] = -1

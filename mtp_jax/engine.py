@@ -15,7 +15,6 @@ max_new_tokens, or when the cache is full.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -270,7 +269,6 @@ class Engine:
   def step(self, m, state: DecodeState, k: int, sample: bool) -> DecodeState:
     """One draft-and-verify step with k drafts (static), for all rows. With a confidence
     threshold, a row verifies only its drafts before the first one its head doubts."""
-    b = state.length.shape[0]
     length = state.length
     last = jnp.take_along_axis(state.tokens, (length - 1)[:, None], axis=1)
     drafts = state.drafts[:, :k]

@@ -1,14 +1,12 @@
 """The adaptive controller: synthetic costs and acceptance, the ring statistics, and k changing
 between steps without recompiles or any change of the output."""
 
-import itertools
 import logging
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from mtp_jax import adaptive as A
 from mtp_jax import api

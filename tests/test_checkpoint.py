@@ -15,7 +15,6 @@ import pytest
 from mtp_jax import checkpoint as C
 from mtp_jax import model as M
 from mtp_jax import train_lib
-from mtp_jax.tokenizer import Tokenizer
 from tests.conftest import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

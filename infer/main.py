@@ -27,6 +27,7 @@ _TOP_K = flags.DEFINE_integer("top_k", 0, "Default top-k (0 = off).")
 _PEN = flags.DEFINE_float("repetition_penalty", 1.0, "Default repetition penalty (1 = off).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Default new tokens per request.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed of the job.")
+_MAX_LEN = flags.DEFINE_integer("max_len", 0, "Cache length per slot (0: the model's context).")
 _QUIET = flags.DEFINE_bool("quiet", False, "No progress on stderr.")
 flags.mark_flags_as_required(["model", "input", "output"])
 
@@ -37,7 +38,8 @@ def main(argv):
     sys.exit(f"mtp-infer: error: input file not found: {_INPUT.value}")
   try:
     k = _K.value if _K.value == "auto" else int(_K.value)
-    dec = api.Decoder.load(_MODEL.value, batch_size=_BATCH.value, k=k, seed=_SEED.value)
+    dec = api.Decoder.load(_MODEL.value, batch_size=_BATCH.value, k=k, seed=_SEED.value,
+                           max_len=_MAX_LEN.value)
   except (ckpt_lib.ModelDirError, ValueError) as e:
     sys.exit(f"mtp-infer: error: {e}")
   if k == "auto":

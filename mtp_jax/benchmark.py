@@ -73,8 +73,10 @@ def run(model_dir: str, modes: list[str], batch_sizes: list[int], max_new_tokens
     decoders = {}
     for mode in modes:
       k = parse_mode(mode)
+      # The cache holds what a row can reach (attention reads all of it every step).
+      max_len = min(mcfg.max_seq_len, prompt_tokens + max_new_tokens + hcfg.num + 2)
       dcfg = DecodeConfig(batch_size=b, k=-1 if k == "auto" else k, ring_size=32,
-                          adaptive=k == "auto")
+                          adaptive=k == "auto", max_len=max_len)
       dec = api.Decoder(mcfg, hcfg, base.params, base.tokenizer, dcfg)
       if k == "auto":
         dec.calibrate(cost_table)

@@ -89,6 +89,7 @@ def save_model_dir(path: str, cfg: config_lib.Config, params, tokenizer: Tokeniz
 
 def load_model_dir(path: str):
   """-> (ModelConfig, HeadsConfig, params, Tokenizer). Any problem raises one ModelDirError."""
+  path = os.path.abspath(path)
   if not os.path.isdir(path):
     raise ModelDirError(f"model directory not found: {path}")
   for name in ("config.json", "tokenizer.json", "params"):

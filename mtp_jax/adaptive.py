@@ -114,26 +114,24 @@ def save_table(path: str, key: str, cost: list[float]):
   os.replace(tmp, path)
 
 
-def measure_costs(engine, params, steps: int = 8, repeats: int = 3) -> list[float]:
-  """Seconds per step with k = 0..K_max drafts, every slot active (warm, median of repeats)."""
+def measure_costs(engine, params, repeats: int = 5) -> list[float]:
+  """Seconds per step with k = 0..K_max drafts, every slot active: warm, one full ring of steps
+  per run, the k interleaved run by run (so that a noisy machine slows all alike), median."""
   b = engine.cfg.batch_size
   rng = np.random.default_rng(0)
-  costs = []
-  for k in range(engine.kd + 1):
-    times = []
-    for rep in range(repeats + 1):                   # the first run compiles / warms up
+  times = [[] for _ in range(engine.kd + 1)]
+  for rep in range(repeats + 1):                     # the first round compiles / warms up
+    for k in range(engine.kd + 1):
       state = engine.init_state()
       prompts = [list(rng.integers(0, engine.model_cfg.vocab_size, 8)) for _ in range(b)]
       prefix = engine.prefill(params, prompts, jax.random.key(rep), [0.0] * b, [0] * b, [1.0] * b)
       state = engine.insert(prefix, state, list(range(b)), engine.cfg.max_len, 0.0, 0, 1.0)
       state = state.replace(k_force=jnp.asarray(k, jnp.int32))
       jax.block_until_ready(state)
-      n = min(steps, engine.cfg.ring_size)
       t0 = time.perf_counter()
-      state = engine.generate(params, state, n, sample=False)
+      state = engine.generate(params, state, engine.cfg.ring_size, sample=False)
       ran = int(state.step)
       dt = time.perf_counter() - t0
       if rep:
-        times.append(dt / max(ran, 1))
-    costs.append(float(np.median(times)))
-  return costs
+        times[k].append(dt / max(ran, 1))
+  return [float(np.median(t)) for t in times]

@@ -186,9 +186,10 @@ class DecodeConfig:
   adaptive: bool = False            # choose k in 0..k per step from costs and acceptance
   confidence_threshold: float = 0.0 # cut a row's drafts at the first with head prob below this
   accept_window: int = 16           # steps of the ring the acceptance rates are read from
+  probe_every: int = 4              # adaptive: every n-th plain step also drafts (fresh estimates)
 
   def __post_init__(self):
-    _positive(self, "batch_size", "ring_size", "min_bucket", "accept_window")
+    _positive(self, "batch_size", "ring_size", "min_bucket", "accept_window", "probe_every")
     if not 0.0 <= self.confidence_threshold < 1.0:
       _fail("decode.confidence_threshold", self.confidence_threshold, "must be in [0, 1)")
     if self.max_len < 0:

@@ -266,9 +266,14 @@ class Engine:
 
   # ------------------------------------------------------------------ the step
 
-  def step(self, m, state: DecodeState, k: int, sample: bool) -> DecodeState:
+  def step(self, m, state: DecodeState, k: int, sample: bool, draft: bool = True) -> DecodeState:
     """One draft-and-verify step with k drafts (static), for all rows. With a confidence
-    threshold, a row verifies only its drafts before the first one its head doubts."""
+    threshold, a row verifies only its drafts before the first one its head doubts.
+
+    draft=False (the adaptive loop's plain step) skips the heads, so that choosing k = 0 costs
+    what plain decoding costs; the old drafts stay (verifying them would still be exact) but
+    their confidences are zeroed, so the controller does not pick them.
+    """
     length = state.length
     last = jnp.take_along_axis(state.tokens, (length - 1)[:, None], axis=1)
     drafts = state.drafts[:, :k]
@@ -301,7 +306,11 @@ class Engine:
     done = state.done | (new_length >= state.stop_len) | (active & (eod_at < n_emit))
     h_last = jnp.take_along_axis(h, n[:, None, None], axis=1)[:, 0]
     new_pres = sampling.presence(tokens, new_length, v) if sample else None
-    new_drafts, logq, conf = self._draft(m, h_last, k_draft, sp, new_pres, sample)
+    if draft:
+      new_drafts, logq, conf = self._draft(m, h_last, k_draft, sp, new_pres, sample)
+    else:
+      new_drafts, logq = state.drafts, state.draft_logq
+      conf = jnp.zeros_like(state.draft_conf)
     n_active = jnp.sum(active.astype(jnp.int32))
     verified = jnp.where(active, k_row, 0)
     pos_k = jnp.arange(self.kd)[None]
@@ -327,14 +336,25 @@ class Engine:
     """The controller: k for the next step, on the device (see adaptive.py)."""
     rate, trials = adaptive.window_rates(state.ring, state.step, self.cfg.accept_window, self.kd)
     alpha = adaptive.row_alpha(rate, trials, state.draft_conf, self.row_cut(state.draft_conf))
+    # Rows whose drafts are stale (the last step did not draft) are expected to accept nothing.
+    alpha = jnp.where(state.draft_conf[:, :1] > 0, alpha, 0.0)
     k = adaptive.choose_k(state.cost, adaptive.expected_emitted(alpha, ~state.done))
     return jnp.where(state.k_force >= 0, state.k_force, k)
 
   def _generate_impl(self, params, state: DecodeState, num_steps, sample: bool):
     m = model_lib.bind(self.graphdef, params)
     if self.cfg.adaptive:
-      branches = [lambda st, k=k: self.step(m, st, k, sample) for k in range(self.kd + 1)]
-      one_step = lambda st: jax.lax.switch(self.choose_k(st), branches, st)
+      # Branch 0: a plain step without drafting; branch 1: a plain step that drafts (every
+      # probe_every-th plain step, so the controller sees fresh confidences when the load
+      # drops); branch k+1: k drafts.
+      branches = [lambda st: self.step(m, st, 0, sample, draft=False)]
+      branches += [lambda st, k=k: self.step(m, st, k, sample) for k in range(self.kd + 1)]
+
+      def one_step(st):
+        k = self.choose_k(st)
+        probe = (st.step % self.cfg.probe_every) == self.cfg.probe_every - 1
+        idx = jnp.where(k > 0, k + 1, jnp.where(probe & (st.k_force < 0), 1, 0))
+        return jax.lax.switch(idx, branches, st)
     else:
       one_step = lambda st: self.step(m, st, self.kd, sample)
 

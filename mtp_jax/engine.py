@@ -305,7 +305,11 @@ class Engine:
     new_length = length + n_emit
     done = state.done | (new_length >= state.stop_len) | (active & (eod_at < n_emit))
     h_last = jnp.take_along_axis(h, n[:, None, None], axis=1)[:, 0]
-    new_pres = sampling.presence(tokens, new_length, v) if sample else None
+    new_pres = None
+    if sample:   # the history grows by the emitted tokens only: no second scan of the buffer
+      b = length.shape[0]
+      emitted = jnp.arange(k + 1)[None] < n_emit[:, None]
+      new_pres = base.at[jnp.arange(b)[:, None], out].max(emitted)
     if draft:
       new_drafts, logq, conf = self._draft(m, h_last, k_draft, sp, new_pres, sample)
     else:

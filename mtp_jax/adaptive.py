@@ -114,9 +114,9 @@ def save_table(path: str, key: str, cost: list[float]):
   os.replace(tmp, path)
 
 
-def measure_costs(engine, params, repeats: int = 5) -> list[float]:
-  """Seconds per step with k = 0..K_max drafts, every slot active: warm, one full ring of steps
-  per run, the k interleaved run by run (so that a noisy machine slows all alike), median."""
+def measure_costs(engine, params, repeats: int = 3, steps: int = 16) -> list[float]:
+  """Seconds per step with k = 0..K_max drafts, every slot active: warm, `steps` steps per
+  run, the k interleaved run by run (so that a noisy machine slows all alike), median."""
   b = engine.cfg.batch_size
   rng = np.random.default_rng(0)
   times = [[] for _ in range(engine.kd + 1)]
@@ -129,7 +129,7 @@ def measure_costs(engine, params, repeats: int = 5) -> list[float]:
       state = state.replace(k_force=jnp.asarray(k, jnp.int32))
       jax.block_until_ready(state)
       t0 = time.perf_counter()
-      state = engine.generate(params, state, engine.cfg.ring_size, sample=False)
+      state = engine.generate(params, state, min(steps, engine.cfg.ring_size), sample=False)
       ran = int(state.step)
       dt = time.perf_counter() - t0
       if rep:

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax import checkpoint as ckpt_lib
@@ -41,6 +42,8 @@ class Request:
   top_k: int = 0
   top_p: float = 1.0
   repetition_penalty: float = 1.0
+  stop: tuple[str, ...] = ()     # the text ends before the first of these strings
+  seed: int | None = None        # the row's own PRNG seed (None: derived from the run's seed)
 
 
 class Decoder:
@@ -72,18 +75,25 @@ class Decoder:
 
   def generate(self, prompts: Sequence[str], max_new_tokens: int = 128, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0,
-               repetition_penalty: float = 1.0) -> list[Completion]:
+               repetition_penalty: float = 1.0, stop: Sequence[str] = (),
+               seed: int | None = None) -> list[Completion]:
     reqs = [Request(self.tokenizer.encode(p), max_new_tokens, temperature, top_k, top_p,
-                    repetition_penalty) for p in prompts]
+                    repetition_penalty, tuple(stop), None if seed is None else seed + i)
+            for i, p in enumerate(prompts)]
     return self.run(reqs)
 
   def run(self, requests: Sequence[Request], on_done=None) -> list[Completion]:
     """Decodes every request; results in request order. `on_done(index, completion)` is called
-    as each request finishes (in finishing order), for streaming output."""
+    as each request finishes (in finishing order), for streaming output.
+
+    Host work overlaps the device: a finished row's completion is detokenised and handed to
+    on_done after the next chunk has been launched. A row whose text reaches one of its stop
+    strings is finished on the host and cancelled on the device at the next chunk boundary.
+    """
     eng = self.engine
     b = eng.cfg.batch_size
     state = eng.init_state(self.seed)
-    key = jax.random.key(self.seed + 1)
+    base_key = jax.random.key(self.seed)
     drain = ring_lib.Drain()
     queue = list(range(len(requests)))[::-1]
     slot_req = [-1] * b
@@ -91,59 +101,119 @@ class Decoder:
     results: list[Completion | None] = [None] * len(requests)
     sampled = np.zeros((b,), bool)
     free = list(range(b))[::-1]
+    finished: list[tuple[int, list[int], int]] = []     # rows done, not yet handed over
+    cancel = np.zeros((b,), bool)
 
-    def fill(state, key):
+    def fill(state):
+      """Prefills waiting requests into free slots, up to prefill_rows per call (a call of
+      several rows is padded to prefill_rows with rows that insert drops)."""
+      g = eng.cfg.prefill_rows
       while free and queue:
-        slot, r = free.pop(), queue.pop()
-        req = requests[r]
-        key, sub = jax.random.split(key)
-        prefix = eng.prefill(self.params, [req.prompt_ids], sub, [req.temperature], [req.top_k],
-                             [req.top_p], [req.repetition_penalty])
-        state = eng.insert(prefix, state, [slot], [req.max_new_tokens], [req.temperature],
-                           [req.top_k], [req.top_p], [req.repetition_penalty])
-        slot_req[slot] = r
-        streams[slot] = [int(prefix.first[0])]
-        sampled[slot] = engine_lib.needs_sampling(req.temperature, req.repetition_penalty)
-      return state, key
+        take = min(len(free), len(queue), g)
+        slots, reqs = [], []
+        for _ in range(take):
+          slot, r = free.pop(), queue.pop()
+          slots.append(slot)
+          reqs.append(requests[r])
+          slot_req[slot] = r
+          sampled[slot] = engine_lib.needs_sampling(requests[r].temperature,
+                                                    requests[r].repetition_penalty)
+        keys = [jax.random.key(q.seed) if q.seed is not None
+                else jax.random.fold_in(base_key, slot_req[s]) for q, s in zip(reqs, slots)]
+        if take > 1:
+          pad = g - take
+          reqs += [Request(reqs[0].prompt_ids[:1], 1)] * pad
+          slots += [b] * pad
+          keys += [base_key] * pad
+        prefix = eng.prefill(self.params, [q.prompt_ids for q in reqs], jnp.stack(keys),
+                             [q.temperature for q in reqs], [q.top_k for q in reqs],
+                             [q.top_p for q in reqs], [q.repetition_penalty for q in reqs])
+        state = eng.insert(prefix, state, slots, [q.max_new_tokens for q in reqs],
+                           [q.temperature for q in reqs], [q.top_k for q in reqs],
+                           [q.top_p for q in reqs], [q.repetition_penalty for q in reqs])
+        first = np.asarray(prefix.first)
+        for i in range(take):
+          streams[slots[i]] = [int(first[i])]
+      return state
+
+    def release(slot, row_steps):
+      finished.append((slot_req[slot], streams[slot], int(row_steps[slot])))
+      slot_req[slot] = -1
+      free.append(slot)
 
     def collect(records):
-      """Appends a drained chunk to the streams; finishes rows that are done."""
+      """Appends a drained chunk to the streams; releases rows that are done."""
       tokens, emitted, _, _, done, row_steps = records
       ring_lib.append_streams(streams, tokens, emitted)
       for slot in range(b):
         r = slot_req[slot]
-        if r < 0 or not done[slot]:
+        if r < 0:
           continue
-        results[r] = self._finish(requests[r], streams[slot], int(row_steps[slot]))
+        if done[slot]:
+          release(slot, row_steps)
+        elif requests[r].stop and _find_stop(self.tokenizer.decode(streams[slot]),
+                                             requests[r].stop)[0] >= 0:
+          cancel[slot] = True
+          release(slot, row_steps)
+
+    def hand_over():
+      for r, ids, steps in finished:
+        results[r] = self._finish(requests[r], ids, steps)
         if on_done is not None:
           on_done(r, results[r])
-        slot_req[slot] = -1
-        free.append(slot)
+      finished.clear()
 
     # While requests wait, a finished row is refilled right after its chunk, so the host reads
     # each chunk before launching the next. Once the queue is empty nothing needs refilling: the
     # next chunk is launched first and the previous one drained while the device runs it.
-    state, key = fill(state, key)
+    state = fill(state)
     while any(r >= 0 for r in slot_req):
+      if cancel.any():
+        state = eng.cancel(state, cancel)
+        cancel[:] = False
       sample = bool(np.any(sampled & (np.asarray(slot_req) >= 0)))
       state = eng.generate(self.params, state, sample=sample)
+      hand_over()                       # detokenise and write while the chunk runs
       if drain.pending:
         collect(drain.finish())
       drain.start(state.ring, state.step, state.done, state.row_steps)
       if queue or not any(r >= 0 for r in slot_req):
         collect(drain.finish())
-        state, key = fill(state, key)
+        state = fill(state)
     if drain.pending:
       collect(drain.finish())
+    hand_over()
     self.last_stats = engine_lib.stats(state)
     return results
 
   def _finish(self, req: Request, ids: list[int], steps: int) -> Completion:
     eod = self.tokenizer.eod_id
     reason = "length"
+    emitted = len(ids) - 1                               # tokens from decode steps
     if eod in ids:
       ids, reason = ids[: ids.index(eod)], "stop"
-    emitted = len(ids) + (reason == "stop") - 1          # tokens from decode steps
-    return Completion(text=self.tokenizer.decode(ids), token_ids=ids, finish_reason=reason,
+    text = self.tokenizer.decode(ids)
+    cut, stop = _find_stop(text, req.stop)
+    if cut >= 0:
+      # Keep the tokens up to the one that completed the stop string; the text ends before it.
+      lo, hi = 1, len(ids)
+      while lo < hi:
+        mid = (lo + hi) // 2
+        if _find_stop(self.tokenizer.decode(ids[:mid]), (stop,))[0] >= 0:
+          hi = mid
+        else:
+          lo = mid + 1
+      ids, text, reason = ids[:lo], text[:cut], "stop"
+    return Completion(text=text, token_ids=ids, finish_reason=reason,
                       prompt_tokens=len(req.prompt_ids), steps=steps,
                       acceptance_length=emitted / steps if steps else 0.0)
+
+
+def _find_stop(text: str, stops) -> tuple[int, str | None]:
+  """-> (index of the earliest stop string in text, that string), or (-1, None)."""
+  best, which = -1, None
+  for s in stops:
+    i = text.find(s)
+    if i >= 0 and (best < 0 or i < best):
+      best, which = i, s
+  return best, which

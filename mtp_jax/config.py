@@ -186,10 +186,13 @@ class DecodeConfig:
   adaptive: bool = False            # choose k in 0..k per step from costs and acceptance
   confidence_threshold: float = 0.0 # cut a row's drafts at the first with head prob below this
   accept_window: int = 16           # steps of the ring the acceptance rates are read from
-  probe_every: int = 4              # adaptive: every n-th plain step also drafts (fresh estimates)
+  adapt_every: int = 4              # adaptive: steps run with one choice of k (a segment)
+  probe_every: int = 4              # adaptive: every n-th plain segment drafts at its last step
+  prefill_rows: int = 8             # prompts prefilled per call when several slots are free
 
   def __post_init__(self):
-    _positive(self, "batch_size", "ring_size", "min_bucket", "accept_window", "probe_every")
+    _positive(self, "batch_size", "ring_size", "min_bucket", "accept_window", "probe_every",
+              "prefill_rows", "adapt_every")
     if not 0.0 <= self.confidence_threshold < 1.0:
       _fail("decode.confidence_threshold", self.confidence_threshold, "must be in [0, 1)")
     if self.max_len < 0:
@@ -207,7 +210,8 @@ class DecodeConfig:
       _fail("decode.k", self.k, f"must be <= heads.num={heads.num}")
     if max_len <= k + 1:
       _fail("decode.max_len", max_len, f"must be > k + 1 = {k + 1}")
-    return dataclasses.replace(self, max_len=max_len, k=k)
+    return dataclasses.replace(self, max_len=max_len, k=k,
+                               prefill_rows=min(self.prefill_rows, self.batch_size))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ max_new_tokens, or when the cache is full.
 
 from __future__ import annotations
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,7 @@ class DecodeState:
   draft_logq: jax.Array    # [B, Kd, V] the heads' processed log-probabilities of those drafts
   draft_conf: jax.Array    # [B, Kd] the heads' confidence (peak probability) per draft
   cache: kv.KVCache
-  key: jax.Array
+  key: jax.Array           # [B] one PRNG key per row (a row's stream ignores the other rows)
   temperature: jax.Array   # [B] f32, 0 = greedy
   top_k: jax.Array         # [B] int32, 0 = off
   top_p: jax.Array         # [B] f32, 1 = off
@@ -65,6 +66,7 @@ class Prefix:
   drafts: jax.Array        # [n, Kd]
   draft_logq: jax.Array    # [n, Kd, V]
   draft_conf: jax.Array    # [n, Kd]
+  key: jax.Array           # [n] the rows' PRNG keys for their decode steps
 
 
 class Engine:
@@ -92,6 +94,8 @@ class Engine:
     self._insert = jax.jit(self._insert_impl, donate_argnames=("state",))
     self._generate = jax.jit(self._generate_impl, static_argnames=("sample",),
                              donate_argnames=("state",))
+    self._cancel = jax.jit(lambda state, mask: state.replace(done=state.done | mask),
+                           donate_argnums=0)
 
   # ------------------------------------------------------------------ state
 
@@ -102,7 +106,7 @@ class Engine:
         prompt_len=jnp.ones((b,), jnp.int32), stop_len=jnp.ones((b,), jnp.int32),
         done=jnp.ones((b,), bool), drafts=jnp.zeros((b, kd), jnp.int32),
         draft_logq=jnp.zeros((b, kd, v), jnp.float32), draft_conf=jnp.zeros((b, kd), jnp.float32),
-        cache=kv.init_cache(self.model_cfg, b, s, self.dtype), key=jax.random.key(seed),
+        cache=kv.init_cache(self.model_cfg, b, s, self.dtype), key=jax.random.split(jax.random.key(seed), b),
         temperature=jnp.zeros((b,), jnp.float32), top_k=jnp.zeros((b,), jnp.int32),
         top_p=jnp.ones((b,), jnp.float32), penalty=jnp.ones((b,), jnp.float32),
         ring=ring_lib.init_ring(self.cfg.ring_size, b, kd), step=jnp.zeros((), jnp.int32),
@@ -142,16 +146,20 @@ class Engine:
     return out + [top]
 
   def warmup(self, params, max_prompt_len: int | None = None) -> int:
-    """Compiles every prefill bucket (greedy and sampled), insert and both generate variants on
-    a scratch state, so that serving compiles nothing. -> the number of buckets."""
+    """Compiles every prefill bucket (greedy and sampled; 1 and prefill_rows rows), insert and
+    both generate variants on a scratch state, so that serving compiles nothing.
+    -> the number of buckets."""
     state = self.init_state()
     buckets = self.buckets(max_prompt_len)
-    for p in buckets:
-      for t in (0.0, 1.0):
-        prefix = self.prefill(params, [[0] * p], jax.random.key(0), [t], [0], [1.0])
-        state = self.insert(prefix, state, [0], [2], t, 0, 1.0)
+    for n in sorted({1, self.cfg.prefill_rows}):
+      for p in buckets:
+        for t in (0.0, 1.0):
+          prefix = self.prefill(params, [[0] * p] * n, jax.random.key(0), [t] * n, [0] * n,
+                                [1.0] * n)
+          state = self.insert(prefix, state, list(range(n)), [2] * n, t, 0, 1.0)
     for sample in (False, True):
       state = self.generate(params, state, 1, sample=sample)
+    state = self.cancel(state, np.zeros((self.cfg.batch_size,), bool))
     jax.block_until_ready(state)
     return len(buckets)
 
@@ -177,9 +185,10 @@ class Engine:
       return (jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((b, self.kd, v), jnp.float32),
               conf)
     drafts, logqs = [], []
-    for i, sub in enumerate(jax.random.split(key, self.kd)):
+    subs = sampling.split_rows(key, self.kd)                            # [B, Kd] row keys
+    for i in range(self.kd):
       logq = sampling.process_logits(logits[:, i], *sp, presence_BV)
-      d = sampling.sample(sub, logq)
+      d = sampling.sample(subs[:, i], logq)
       presence_BV = presence_BV.at[jnp.arange(b), d].set(True)
       drafts.append(d)
       logqs.append(logq)
@@ -198,7 +207,8 @@ class Engine:
     h, cache = m(tokens_NP, jnp.broadcast_to(jnp.arange(p), (n, p)), cache)
     h_last = jnp.take_along_axis(h, (length_N - 1)[:, None, None], axis=1)[:, 0]
     logits = m.logits(h_last)
-    k_first, k_draft = jax.random.split(key)
+    ks = sampling.split_rows(key, 3)
+    k_first, k_draft, key = ks[:, 0], ks[:, 1], ks[:, 2]
     sp = (temperature, top_k, top_p, penalty)
     presence = None
     if sample:
@@ -209,11 +219,12 @@ class Engine:
       first = jnp.argmax(logits, -1).astype(jnp.int32)
     drafts, logq, conf = self._draft(m, h_last, k_draft, sp, presence, sample)
     return Prefix(tokens=tokens_NP, length=length_N, cache=cache, first=first, drafts=drafts,
-                  draft_logq=logq, draft_conf=conf)
+                  draft_logq=logq, draft_conf=conf, key=key)
 
   def prefill(self, params, prompts: list[list[int]], key, temperature, top_k, top_p,
               penalty=None) -> Prefix:
-    """Prefills prompts (token ids) padded to the bucket of the longest one."""
+    """Prefills prompts (token ids) padded to the bucket of the longest one. `key` is one PRNG
+    key, or one per prompt (a row's sampled tokens then depend on its key alone)."""
     lengths = [len(p) for p in prompts]
     if min(lengths) < 1:
       raise ValueError("empty prompt: a prompt needs at least one token")
@@ -223,6 +234,7 @@ class Engine:
       arr[i, : len(ids)] = ids
     temperature = np.asarray(temperature, np.float32)
     penalty = np.ones_like(temperature) if penalty is None else np.asarray(penalty, np.float32)
+    key = sampling.row_keys(key, len(prompts))
     return self._prefill(params, jnp.asarray(arr), jnp.asarray(lengths, jnp.int32), key,
                          jnp.asarray(temperature), jnp.asarray(top_k, jnp.int32),
                          jnp.asarray(top_p, jnp.float32), jnp.asarray(penalty),
@@ -250,7 +262,7 @@ class Engine:
         drafts=state.drafts.at[slots].set(prefix.drafts),
         draft_logq=state.draft_logq.at[slots].set(prefix.draft_logq),
         draft_conf=state.draft_conf.at[slots].set(prefix.draft_conf),
-        cache=kv.KVCache(k=k, v=v),
+        cache=kv.KVCache(k=k, v=v), key=state.key.at[slots].set(prefix.key),
         temperature=state.temperature.at[slots].set(temperature),
         top_k=state.top_k.at[slots].set(top_k), top_p=state.top_p.at[slots].set(top_p),
         penalty=state.penalty.at[slots].set(penalty), row_steps=state.row_steps.at[slots].set(z),
@@ -258,11 +270,17 @@ class Engine:
 
   def insert(self, prefix: Prefix, state: DecodeState, slots, max_new, temperature, top_k,
              top_p, penalty=1.0) -> DecodeState:
-    """Puts prefilled rows into slots (state donated). max_new counts the first token."""
+    """Puts prefilled rows into slots (state donated). max_new counts the first token. A slot
+    index >= batch_size drops its row (padding rows of a prefill call)."""
     f = lambda x, d: jnp.asarray(np.broadcast_to(np.asarray(x), (len(slots),)), d)
     return self._insert(prefix, state, f(slots, jnp.int32), f(max_new, jnp.int32),
                         f(temperature, jnp.float32), f(top_k, jnp.int32), f(top_p, jnp.float32),
                         f(penalty, jnp.float32))
+
+  def cancel(self, state: DecodeState, mask) -> DecodeState:
+    """Marks the rows where mask [B] is true as done (state donated): a row the host finished,
+    e.g. on a stop string, stops using the device."""
+    return self._cancel(state, jnp.asarray(np.asarray(mask, bool)))
 
   # ------------------------------------------------------------------ the step
 
@@ -282,7 +300,8 @@ class Engine:
     pos = (length - 1)[:, None] + jnp.arange(k + 1)[None]
     h, cache = m(inp, pos, state.cache)
     logits = m.logits(h)                                                # [B, k+1, V]
-    key, k_verify, k_draft = jax.random.split(state.key, 3)
+    ks = sampling.split_rows(state.key, 3)                              # per-row streams
+    key, k_verify, k_draft = ks[:, 0], ks[:, 1], ks[:, 2]
     sp = (state.temperature, state.top_k, state.top_p, state.penalty)
     v = self.model_cfg.vocab_size
     cut = k_row if self.cfg.confidence_threshold > 0 else None
@@ -347,30 +366,41 @@ class Engine:
 
   def _generate_impl(self, params, state: DecodeState, num_steps, sample: bool):
     m = model_lib.bind(self.graphdef, params)
+    not_done = lambda st: ~jnp.all(st.done)
+
+    def run(st, n, fn):
+      """Up to n steps of fn, stopping early when every row is done."""
+      return jax.lax.while_loop(lambda c: (c[0] < n) & not_done(c[1]),
+                                lambda c: (c[0] + 1, fn(c[1])), (jnp.zeros((), jnp.int32), st))[1]
+
     if self.cfg.adaptive:
-      # Branch 0: a plain step without drafting; branch 1: a plain step that drafts (every
-      # probe_every-th plain step, so the controller sees fresh confidences when the load
-      # drops); branch k+1: k drafts.
-      branches = [lambda st: self.step(m, st, 0, sample, draft=False)]
-      branches += [lambda st, k=k: self.step(m, st, k, sample) for k in range(self.kd + 1)]
+      # k is chosen once per segment of adapt_every steps (the choice and the switch between
+      # compiled variants are paid once per segment). Branch 0: plain steps without drafting;
+      # branch 1: the same, but the last step drafts (every probe_every-th plain segment, so that
+      # the controller sees fresh confidences when the load drops); branch k+1: k drafts.
+      plain = lambda st: self.step(m, st, 0, sample, draft=False)
+      branches = [lambda st, n: run(st, n, plain),
+                  lambda st, n: self.step(m, run(st, n - 1, plain), 0, sample)]
+      branches += [lambda st, n, k=k: run(st, n, lambda x: self.step(m, x, k, sample))
+                   for k in range(1, self.kd + 1)]
 
-      def one_step(st):
+      def segment(st, n):
         k = self.choose_k(st)
-        probe = (st.step % self.cfg.probe_every) == self.cfg.probe_every - 1
+        seg = st.step // self.cfg.adapt_every
+        probe = (seg % self.cfg.probe_every) == self.cfg.probe_every - 1
         idx = jnp.where(k > 0, k + 1, jnp.where(probe & (st.k_force < 0), 1, 0))
-        return jax.lax.switch(idx, branches, st)
+        return jax.lax.switch(idx, branches, st, n)
     else:
-      one_step = lambda st: self.step(m, st, self.kd, sample)
-
-    def cond(carry):
-      i, st = carry
-      return (i < num_steps) & ~jnp.all(st.done)
+      segment = lambda st, n: self.step(m, st, self.kd, sample)       # one step per iteration
 
     def body(carry):
       i, st = carry
-      return i + 1, one_step(st)
+      before = st.step
+      st = segment(st, jnp.minimum(self.cfg.adapt_every, num_steps - i))
+      return i + (st.step - before), st
 
-    _, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
+    _, state = jax.lax.while_loop(lambda c: (c[0] < num_steps) & not_done(c[1]), body,
+                                  (jnp.zeros((), jnp.int32), state))
     return state
 
   def generate(self, params, state: DecodeState, num_steps: int | None = None,
@@ -382,6 +412,23 @@ class Engine:
     if sample is None:
       sample = needs_sampling(np.asarray(state.temperature), np.asarray(state.penalty))
     return self._generate(params, state, jnp.asarray(num_steps, jnp.int32), sample=sample)
+
+
+def state_bytes(model_cfg: ModelConfig, heads_cfg: HeadsConfig, decode_cfg: DecodeConfig) -> int:
+  """Bytes of the decode state (KV cache, token buffer, drafts, ring, ...) for decode_cfg."""
+  eng = Engine(model_cfg, heads_cfg, decode_cfg, 0)
+  shapes = jax.eval_shape(eng.init_state)
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)
+             if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key))
+
+
+def max_slots(model_cfg: ModelConfig, heads_cfg: HeadsConfig, decode_cfg: DecodeConfig,
+              budget_bytes: int) -> int:
+  """The largest slot count whose decode state fits budget_bytes (at least 1)."""
+  one = state_bytes(model_cfg, heads_cfg, dataclasses.replace(decode_cfg, batch_size=1))
+  two = state_bytes(model_cfg, heads_cfg, dataclasses.replace(decode_cfg, batch_size=2))
+  per_slot, fixed = two - one, 2 * one - two
+  return max(1, int((budget_bytes - fixed) // per_slot))
 
 
 def needs_sampling(temperature, penalty) -> bool:

@@ -70,8 +70,25 @@ def process_logits(logits_BxV, temperature_B, top_k_B, top_p_B, penalty_B=None,
   return jax.nn.log_softmax(jnp.where(greedy, one_hot, filtered), axis=-1)
 
 
+def row_keys(key, b: int):
+  """Per-row keys [b]: `key` itself when it already is one key per row, else b keys split
+  from it. Per-row keys make a row's random stream independent of the rest of the batch."""
+  if key.ndim == 1 and key.shape[0] == b:
+    return key
+  return jax.random.split(key, b)
+
+
+def split_rows(keys_B, num: int):
+  """[B] keys -> [B, num] keys (each row's key split num ways)."""
+  return jax.vmap(lambda k: jax.random.split(k, num))(keys_B)
+
+
 def sample(key, logp_BxV):
-  return jax.random.categorical(key, logp_BxV, axis=-1).astype(jnp.int32)
+  """One token per row from log-probabilities [B, V] (or [B, P, V]); `key` is one key or one
+  per row."""
+  keys = row_keys(key, logp_BxV.shape[0])
+  return jax.vmap(lambda k, lp: jax.random.categorical(k, lp, axis=-1))(keys, logp_BxV).astype(
+      jnp.int32)
 
 
 def verify_greedy(drafts_BK, target_logits_BKV, k_row_B=None):
@@ -89,21 +106,23 @@ def verify_greedy(drafts_BK, target_logits_BKV, k_row_B=None):
 
 
 def verify_sampling(key, drafts_BK, draft_logq_BKV, target_logp_BKV, k_row_B=None):
-  """Lossless rejection sampling. target_logp has k+1 positions; draft_logq has k.
+  """Lossless rejection sampling. target_logp has k+1 positions; draft_logq has k; `key` is one
+  key or one per row.
 
   -> (accepted count n [B], emitted tokens [B, k+1]; the first n+1 are valid).
   k_row_B (optional) verifies only each row's first k_row drafts: at position k_row the extra
   token is drawn from p itself, as if the row had drafted k_row tokens, so it stays lossless.
   """
   b, k = drafts_BK.shape
-  k_u, k_s = jax.random.split(key)
+  ks = split_rows(row_keys(key, b), 2)
+  k_u, k_s = ks[:, 0], ks[:, 1]
   p = jnp.exp(target_logp_BKV)                                          # [B, k+1, V]
   if k == 0:
     return jnp.zeros((b,), jnp.int32), sample(k_s, target_logp_BKV)
   q = jnp.exp(draft_logq_BKV)                                           # [B, k, V]
   p_d = jnp.take_along_axis(p[:, :k], drafts_BK[..., None], -1)[..., 0]
   q_d = jnp.take_along_axis(q, drafts_BK[..., None], -1)[..., 0]
-  u = jax.random.uniform(k_u, (b, k))
+  u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(k_u)
   # u < p/q  <=>  u * q < p  (no division; q_d > 0 for a sampled draft).
   accept = u * q_d < p_d
   if k_row_B is not None:

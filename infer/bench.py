@@ -1,12 +1,15 @@
-"""mtp-bench: throughput of plain vs speculative decoding across batch sizes, side by side.
+"""mtp-bench: plain vs MTP vs draft-model vs prompt-lookup decoding across batch sizes, side by
+side in one run, with latency percentiles, host overhead, a roofline and a plot.
 
-  mtp-bench --model=pretrained/demo --modes=vanilla,mtp:1,mtp:2,mtp:3,adaptive --batch_sizes=1,8 \
-            --max_new_tokens=128 [--out=DIR]
+  mtp-bench --model=pretrained/demo --modes=vanilla,mtp:3,adaptive,draft:3,ngram:3 \
+            --batch_sizes=1,8,64 --max_new_tokens=128 --out=bench_out
+  mtp-bench --model=config:bench_large --modes=vanilla,mtp:3 --batch_sizes=1,8   # random weights
+
+Writes OUT/results.json ({"machine": ..., "results": [...]}), OUT/results.md and OUT/results.png;
+the table is also printed. See mtp_jax/benchmark.py for what each column measures and how.
 """
 
-import dataclasses
-import json
-import os
+import shlex
 import sys
 
 from absl import app, flags, logging
@@ -14,37 +17,49 @@ from absl import app, flags, logging
 from mtp_jax import benchmark
 from mtp_jax import checkpoint as ckpt_lib
 
-_MODEL = flags.DEFINE_string("model", "pretrained/demo", "A model directory.")
+_MODEL = flags.DEFINE_string("model", "pretrained/demo",
+                             "A model directory, or config:NAME (configs/NAME.py, random weights).")
 _MODES = flags.DEFINE_list("modes", ["vanilla", "mtp:1", "mtp:2", "mtp:3", "adaptive"],
-                           "vanilla | mtp:K | adaptive")
+                           "vanilla | mtp:K | adaptive | draft:K | ngram:K")
+_DRAFT = flags.DEFINE_string("draft_model", "pretrained/draft", "Draft model of draft:K modes.")
 _BATCH = flags.DEFINE_list("batch_sizes", ["1", "8"], "Slot counts to measure.")
+_PROMPTS = flags.DEFINE_string(
+    "prompts", "", "A JSONL file in mtp-infer's input form or a directory of source files "
+    "(default: held-out standard-library code).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt.")
-_PROMPT = flags.DEFINE_integer("prompt_tokens", 64, "Prompt length in tokens (held-out code).")
-_ROUNDS = flags.DEFINE_integer("rounds", 1, "Prompts per slot.")
+_PROMPT = flags.DEFINE_integer("prompt_tokens", 64, "Prompt length in tokens.")
+_ROUNDS = flags.DEFINE_integer("rounds", 1, "Prompts per slot (continuous batching refills).")
+_WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed runs per mode after compiling.")
 _REPEATS = flags.DEFINE_integer("repeats", 2, "Timed repeats per mode (the best is kept).")
-_OUT = flags.DEFINE_string("out", "", "Directory for results.json and results.md.")
+_TEMP = flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0 = greedy).")
+_ROOF = flags.DEFINE_bool("roofline", True, "Measure bandwidth and matmul throughput.")
+_OUT = flags.DEFINE_string("out", "", "Directory for results.json, results.md, results.png.")
 
 
 def main(argv):
-  del argv
   try:
     for m in _MODES.value:
       benchmark.parse_mode(m)
     sizes = [int(b) for b in _BATCH.value]
+    if min(sizes) < 1:
+      raise ValueError(f"--batch_sizes={_BATCH.value}: must be positive")
   except ValueError as e:
     sys.exit(f"mtp-bench: error: {e}")
+  machine = benchmark.machine_info(_ROOF.value)
+  print(", ".join(f"{k}: {v}" for k, v in machine.items()), flush=True)
   print(benchmark.HEADER, flush=True)
   try:
-    results = benchmark.run(_MODEL.value, _MODES.value, sizes, _MAX_NEW.value, _PROMPT.value,
-                            _ROUNDS.value, _REPEATS.value, log=lambda s: print(s, flush=True))
-  except ckpt_lib.ModelDirError as e:
+    results = benchmark.run(
+        _MODEL.value, _MODES.value, sizes, _MAX_NEW.value, _PROMPT.value, _ROUNDS.value,
+        _REPEATS.value, _WARMUP.value, _TEMP.value, _PROMPTS.value,
+        _DRAFT.value if any(m.startswith("draft:") for m in _MODES.value) else "", machine,
+        log=lambda s: print(s, flush=True))
+  except (ckpt_lib.ModelDirError, ValueError) as e:
     sys.exit(f"mtp-bench: error: {e}")
   if _OUT.value:
-    os.makedirs(_OUT.value, exist_ok=True)
-    with open(os.path.join(_OUT.value, "results.json"), "w") as f:
-      json.dump({"results": [dataclasses.asdict(r) for r in results]}, f, indent=2)
-    with open(os.path.join(_OUT.value, "results.md"), "w") as f:
-      f.write(benchmark.HEADER + "\n" + "\n".join(benchmark.format_row(r) for r in results) + "\n")
+    command = "mtp-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    benchmark.write_outputs(_OUT.value, machine, results, command)
+    print(f"wrote {_OUT.value}/results.json, results.md, results.png", flush=True)
 
 
 def run():

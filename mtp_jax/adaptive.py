@@ -77,12 +77,23 @@ def choose_k(cost_K1, expected_K1):
 # ----------------------------------------------------------------------------- the cost table
 
 
+def _code_version() -> str:
+  """A hash of the modules a step's cost depends on: a table measured by other code is stale."""
+  from mtp_jax import engine as engine_mod, model as model_mod, sampling as sampling_mod
+  h = hashlib.sha1()
+  for mod in (engine_mod, model_mod, sampling_mod, ring_lib):
+    with open(mod.__file__, "rb") as f:
+      h.update(f.read())
+  return h.hexdigest()[:8]
+
+
 def table_key(engine) -> str:
   m, d = engine.model_cfg, engine.cfg
   dev = jax.devices()[0]
   model = hashlib.sha1(repr((m, engine.heads_cfg)).encode()).hexdigest()[:12]
   return f"{dev.platform}:{getattr(dev, 'device_kind', '')}|model={model}|slots={d.batch_size}" \
-         f"|max_len={d.max_len}|k_max={engine.kd}"
+         f"|max_len={d.max_len}|k_max={engine.kd}|adapt_every={d.adapt_every}" \
+         f"|code={_code_version()}"
 
 
 def default_table_path() -> str:

@@ -12,6 +12,7 @@ finishes, the slot is refilled by prefill + insert between generate calls.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Sequence
 
 import jax
@@ -32,6 +33,8 @@ class Completion:
   prompt_tokens: int
   steps: int                  # decode steps (the first token comes from prefill)
   acceptance_length: float    # tokens emitted per decode step
+  ttft_s: float = 0.0         # from the start of run() to the host holding the first token
+  latency_s: float = 0.0      # from the start of run() to the host holding the last token
 
 
 @dataclasses.dataclass
@@ -48,22 +51,36 @@ class Request:
 
 class Decoder:
   def __init__(self, model_cfg, heads_cfg, params, tokenizer, decode_cfg: DecodeConfig,
-               seed: int = 0):
-    self.tokenizer, self.params = tokenizer, params
-    self.engine = engine_lib.Engine(model_cfg, heads_cfg, decode_cfg, tokenizer.eod_id)
+               seed: int = 0, draft=None):
+    """draft: (model config, heads config, params) of a draft model, for drafter='model'."""
+    self.tokenizer = tokenizer
+    self.params = params if draft is None else (params, draft[2])
+    self.engine = engine_lib.Engine(model_cfg, heads_cfg, decode_cfg, tokenizer.eod_id,
+                                    None if draft is None else draft[:2])
     self.seed = seed
     self.last_stats: dict = {}
+    self.last_timing: dict = {}
 
   @classmethod
   def load(cls, model_dir: str, batch_size: int = 8, k: int | str = -1, max_len: int = 0,
-           ring_size: int = 32, seed: int = 0, **decode_options) -> "Decoder":
+           ring_size: int = 32, seed: int = 0, draft_dir: str | None = None,
+           **decode_options) -> "Decoder":
     """k: drafts per step (-1 all heads, 0 plain decoding) or 'auto' (adaptive, up to all
-    heads). decode_options: other DecodeConfig fields (confidence_threshold, ...)."""
+    heads). draft_dir: a draft model directory (drafts come from it instead of the heads).
+    decode_options: other DecodeConfig fields (confidence_threshold, drafter, ...)."""
     mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(model_dir)
+    draft = None
+    if draft_dir:
+      dm, dh, dp, dtok = ckpt_lib.load_model_dir(draft_dir)
+      if dtok.hf.to_str() != tok.hf.to_str():
+        raise ckpt_lib.ModelDirError(f"{draft_dir}: the draft model's tokenizer differs from "
+                                     f"{model_dir}'s")
+      draft = (dm, dh, dp)
+      decode_options["drafter"] = "model"
     adaptive = k == "auto"
     dcfg = DecodeConfig(batch_size=batch_size, k=-1 if adaptive else int(k), max_len=max_len,
                         ring_size=ring_size, adaptive=adaptive, **decode_options)
-    return cls(mcfg, hcfg, params, tok, dcfg, seed)
+    return cls(mcfg, hcfg, params, tok, dcfg, seed, draft)
 
   def calibrate(self, table_path: str | None = None, force: bool = False) -> list[float]:
     """Cost table of the adaptive controller (see Engine.calibrate)."""
@@ -92,6 +109,9 @@ class Decoder:
     """
     eng = self.engine
     b = eng.cfg.batch_size
+    t_start = time.perf_counter()
+    wait = [0.0]                       # seconds blocked on the device (for host overhead)
+    ttft = [0.0] * len(requests)
     state = eng.init_state(self.seed)
     base_key = jax.random.key(self.seed)
     drain = ring_lib.Drain()
@@ -131,15 +151,26 @@ class Decoder:
         state = eng.insert(prefix, state, slots, [q.max_new_tokens for q in reqs],
                            [q.temperature for q in reqs], [q.top_k for q in reqs],
                            [q.top_p for q in reqs], [q.repetition_penalty for q in reqs])
+        t0 = time.perf_counter()
         first = np.asarray(prefix.first)
+        now = time.perf_counter()
+        wait[0] += now - t0
         for i in range(take):
           streams[slots[i]] = [int(first[i])]
+          ttft[slot_req[slots[i]]] = now - t_start
       return state
 
     def release(slot, row_steps):
-      finished.append((slot_req[slot], streams[slot], int(row_steps[slot])))
+      finished.append((slot_req[slot], streams[slot], int(row_steps[slot]),
+                       time.perf_counter() - t_start))
       slot_req[slot] = -1
       free.append(slot)
+
+    def finish_drain():
+      t0 = time.perf_counter()
+      records = drain.finish()
+      wait[0] += time.perf_counter() - t0
+      return records
 
     def collect(records):
       """Appends a drained chunk to the streams; releases rows that are done."""
@@ -157,8 +188,9 @@ class Decoder:
           release(slot, row_steps)
 
     def hand_over():
-      for r, ids, steps in finished:
+      for r, ids, steps, latency in finished:
         results[r] = self._finish(requests[r], ids, steps)
+        results[r].ttft_s, results[r].latency_s = ttft[r], latency
         if on_done is not None:
           on_done(r, results[r])
       finished.clear()
@@ -175,15 +207,16 @@ class Decoder:
       state = eng.generate(self.params, state, sample=sample)
       hand_over()                       # detokenise and write while the chunk runs
       if drain.pending:
-        collect(drain.finish())
+        collect(finish_drain())
       drain.start(state.ring, state.step, state.done, state.row_steps)
       if queue or not any(r >= 0 for r in slot_req):
-        collect(drain.finish())
+        collect(finish_drain())
         state = fill(state)
     if drain.pending:
-      collect(drain.finish())
+      collect(finish_drain())
     hand_over()
     self.last_stats = engine_lib.stats(state)
+    self.last_timing = {"wall_s": time.perf_counter() - t_start, "wait_s": wait[0]}
     return results
 
   def _finish(self, req: Request, ids: list[int], steps: int) -> Completion:

@@ -1,32 +1,64 @@
 """Decoding benchmark: modes x batch sizes on the same prompts, measured side by side.
 
-A mode is 'vanilla' (plain decoding, k = 0), 'mtp:K' (K drafts from the heads per step) or
-'adaptive' (k chosen per step from the calibrated cost table and acceptance). Every
-(batch size, mode) pair gets its own compiled engine, warmed up before timing; timed runs of all
-modes are interleaved repeat by repeat, so that a noisy machine slows all of them alike.
+Modes: 'vanilla' (plain decoding, k = 0), 'mtp:K' (K drafts from the MTP heads per step),
+'adaptive' (k chosen on the device from the calibrated cost table and acceptance), 'draft:K'
+(classic speculative decoding: K drafts from a separate small draft model with its own KV cache)
+and 'ngram:K' (prompt lookup: K drafts copied from the row's own history). All go through the
+same verification, so greedy outputs are identical. Every (batch size, mode) pair gets its own
+compiled engine (compile time reported apart), warmed up before timing; timed runs of all modes
+are interleaved repeat by repeat, so that a noisy machine slows all of them alike.
+
+Latency: a request's time to first token (TTFT) is from the start of the run to the moment the
+host holds its first token; its time per output token (TPOT) is (finish - first token) / (tokens
+- 1), the finish being when the host drained the chunk holding its last token. Host overhead per
+decode step: the run's wall time minus the time the host spent blocked waiting for the device
+(prefill results and drained chunks), divided by the decode steps run; it is the host work on
+the critical path (dispatch, detokenising, refilling), in microseconds.
+
+Roofline: the machine's memory bandwidth (a streaming read+write of a working set well beyond the
+last-level cache) and matmul throughput are measured in the same run. Per decode step the bytes
+moved are the parameters plus the whole KV cache (attention reads every cached position) and the
+FLOPs are 2 x multiply-adds of the k+1 verified tokens per row plus drafting; the attained FLOP
+rate over the roof at the step's arithmetic intensity is `roofline_fraction`, and the step is
+memory bound when its intensity is below the machine's ridge point (peak FLOP/s / bandwidth).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
+import importlib
+import json
+import os
+import platform
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax import api
+from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import data as data_lib
-from mtp_jax.config import DataConfig, DecodeConfig
+from mtp_jax import model as model_lib
+from mtp_jax.config import Config, DataConfig, DecodeConfig, ModelConfig
 
 
-def parse_mode(mode: str) -> int | str:
-  """'vanilla' -> 0, 'mtp:K' -> K, 'adaptive' -> 'auto'."""
+def parse_mode(mode: str) -> tuple[str, int | str]:
+  """'vanilla' -> ('heads', 0), 'mtp:K' -> ('heads', K), 'adaptive' -> ('heads', 'auto'),
+  'draft:K' -> ('model', K), 'ngram:K' -> ('ngram', K)."""
   if mode == "vanilla":
-    return 0
+    return "heads", 0
   if mode == "adaptive":
-    return "auto"
-  if mode.startswith("mtp:") and mode[4:].isdigit():
-    return int(mode[4:])
-  raise ValueError(f"--modes: unknown mode {mode!r} (expected 'vanilla', 'mtp:K' or 'adaptive')")
+    return "heads", "auto"
+  for prefix, drafter in (("mtp:", "heads"), ("draft:", "model"), ("ngram:", "ngram")):
+    if mode.startswith(prefix) and mode[len(prefix):].isdigit() and int(mode[len(prefix):]) > 0:
+      return drafter, int(mode[len(prefix):])
+  raise ValueError(f"--modes: unknown mode {mode!r} (expected vanilla, adaptive, mtp:K, "
+                   "draft:K or ngram:K with K >= 1)")
+
+
+# ----------------------------------------------------------------------------- prompts
 
 
 def heldout_prompts(tokenizer, n: int, prompt_tokens: int, data_cfg: DataConfig | None = None,
@@ -34,12 +66,19 @@ def heldout_prompts(tokenizer, n: int, prompt_tokens: int, data_cfg: DataConfig 
   """n prompts of prompt_tokens tokens cut at line starts of held-out standard-library files."""
   cfg = data_cfg or DataConfig()
   _, heldout = data_lib.split_files(cfg)
+  return _cut_prompts(tokenizer, lambda i: data_lib.read_text(data_lib.corpus_root(cfg),
+                                                             heldout[i]),
+                      len(heldout), n, prompt_tokens, seed)
+
+
+def _cut_prompts(tokenizer, read, num_files, n, prompt_tokens, seed):
   rng = np.random.default_rng(seed)
-  root = data_lib.corpus_root(cfg)
-  out = []
+  out, tries = [], 0
   while len(out) < n:
-    text = data_lib.read_text(root, heldout[int(rng.integers(len(heldout)))])
-    lines = text.splitlines(keepends=True)
+    tries += 1
+    if tries > 100 * n + 1000:
+      raise ValueError(f"--prompts: could not cut {n} prompts of {prompt_tokens} tokens")
+    lines = read(int(rng.integers(num_files))).splitlines(keepends=True)
     if len(lines) < 20:
       continue
     start = int(rng.integers(0, len(lines) - 10))
@@ -47,6 +86,127 @@ def heldout_prompts(tokenizer, n: int, prompt_tokens: int, data_cfg: DataConfig 
     if len(ids) >= prompt_tokens:
       out.append(ids[:prompt_tokens])
   return out
+
+
+def load_prompts(spec: str, tokenizer, n: int, prompt_tokens: int, seed: int = 0):
+  """--prompts: '' (held-out standard-library code), a JSONL file in mtp-infer's input form
+  (plain 'prompt' or OpenAI 'body.prompt'; cycled to n prompts, each cut to prompt_tokens), or a
+  directory of source files (prompts cut at line starts)."""
+  if not spec:
+    return heldout_prompts(tokenizer, n, prompt_tokens, seed=seed)
+  if os.path.isdir(spec):
+    files = sorted(f for f in glob.glob(os.path.join(spec, "**", "*"), recursive=True)
+                   if os.path.isfile(f))
+    if not files:
+      raise ValueError(f"--prompts={spec}: the directory holds no files")
+    read = lambda i: open(files[i], encoding="utf-8", errors="replace").read()
+    return _cut_prompts(tokenizer, read, len(files), n, prompt_tokens, seed)
+  if not os.path.isfile(spec):
+    raise ValueError(f"--prompts={spec}: no such file or directory")
+  texts = []
+  with open(spec, "rb") as f:
+    for no, raw in enumerate(f, 1):
+      if not raw.strip():
+        continue
+      try:
+        obj = json.loads(raw)
+        p = obj["body"]["prompt"] if "body" in obj else obj["prompt"]
+        assert isinstance(p, str) and p
+      except (ValueError, KeyError, TypeError, AssertionError):
+        raise ValueError(f"--prompts={spec}: line {no} has no prompt string") from None
+      texts.append(p)
+  if not texts:
+    raise ValueError(f"--prompts={spec}: no prompts")
+  return [tokenizer.encode(texts[i % len(texts)])[-prompt_tokens:] for i in range(n)]
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def load_model(spec: str, seed: int = 0):
+  """A model directory, or 'config:NAME': an untrained model of configs/NAME.py (random weights,
+  fine for speed; its tokenizer is trained on a little of the corpus)."""
+  if not spec.startswith("config:"):
+    return ckpt_lib.load_model_dir(spec)
+  name = spec[len("config:"):]
+  try:
+    mod = importlib.import_module(f"configs.{name}")
+  except ImportError:
+    raise ValueError(f"--model={spec}: no configs/{name}.py") from None
+  cfg = Config.from_dict(mod.get_config().to_dict())
+  from mtp_jax.tokenizer import train_bpe
+  files, _ = data_lib.split_files(cfg.data)
+  tok = train_bpe(data_lib.iter_texts(cfg.data, files, 2_000_000), cfg.model.vocab_size)
+  _, params = model_lib.split(model_lib.create(cfg.model, cfg.heads, seed))
+  dtype = model_lib.compute_dtype(cfg.model)
+  params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+                        else x, params)
+  return cfg.model, cfg.heads, params, tok
+
+
+# ----------------------------------------------------------------------------- machine
+
+
+def _median_time(fn, *args, reps: int = 5) -> float:
+  jax.block_until_ready(fn(*args))
+  ts = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    ts.append(time.perf_counter() - t0)
+  return float(np.median(ts))
+
+
+def measure_bandwidth(mib: int = 512) -> float:
+  """Bytes/s of a streaming read + write of `mib` MiB (beyond any last-level cache)."""
+  x = jnp.ones((mib * 2**20 // 4,), jnp.float32)
+  f = jax.jit(lambda a: a * 1.0001)
+  return 2 * x.nbytes / _median_time(f, x)
+
+
+def measure_matmul(n: int = 2048, dtype=jnp.float32) -> float:
+  """FLOP/s of an n x n x n matmul."""
+  a = jnp.ones((n, n), dtype)
+  f = jax.jit(lambda x: x @ x)
+  return 2 * n**3 / _median_time(f, a)
+
+
+def machine_info(roofline: bool = True) -> dict:
+  dev = jax.devices()[0]
+  info = {"platform": dev.platform, "device_kind": getattr(dev, "device_kind", ""),
+          "devices": jax.device_count(), "cpu_count": os.cpu_count(),
+          "python": platform.python_version(), "jax": jax.__version__,
+          "processor": platform.processor() or platform.machine()}
+  if roofline:
+    info["memory_bandwidth_gb_s"] = round(measure_bandwidth() / 1e9, 2)
+    info["matmul_gflop_s"] = round(measure_matmul() / 1e9, 2)
+  return info
+
+
+def step_cost(mcfg: ModelConfig, hcfg, dcfg: DecodeConfig, k: float, batch: int, params,
+              draft_params=None, draft_cfg: ModelConfig | None = None) -> tuple[float, float]:
+  """(bytes, FLOPs) of one decode step with k drafts for `batch` rows (see the module doc)."""
+  itemsize = jnp.dtype(model_lib.compute_dtype(mcfg)).itemsize
+  n_params = model_lib.count_params(params)
+  head_params = model_lib.count_params(params["heads"]) if "heads" in params else 0
+  kv_per_pos = 2 * mcfg.n_layers * mcfg.n_kv_heads * mcfg.head_dim * itemsize
+  nbytes = (n_params - head_params) * itemsize + batch * dcfg.max_len * kv_per_pos
+  emb = mcfg.vocab_size * mcfg.d_model
+  trunk_macs = n_params - head_params - (0 if mcfg.tie_embeddings else emb)  # untied: embed is a lookup
+  attn_macs = 2 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * dcfg.max_len
+  flops = 2 * batch * (k + 1) * (trunk_macs + attn_macs)
+  if k and dcfg.drafter == "heads":
+    nbytes += head_params * itemsize
+    flops += 2 * batch * k * (mcfg.d_model**2 + emb)
+  if k and dcfg.drafter == "model" and draft_params is not None:
+    dn = model_lib.count_params(draft_params)
+    nbytes += dn * itemsize * k + batch * dcfg.max_len * 2 * draft_cfg.n_layers * \
+        draft_cfg.n_kv_heads * draft_cfg.head_dim * itemsize
+    flops += 2 * batch * (k + 1) * dn
+  return float(nbytes), float(flops)
+
+
+# ----------------------------------------------------------------------------- the run
 
 
 @dataclasses.dataclass
@@ -58,58 +218,161 @@ class Result:
   acceptance_rate_per_position: list
   new_tokens: int
   seconds: float
+  steps: int
+  ttft_ms_p50: float
+  ttft_ms_p99: float
+  tpot_ms_p50: float
+  tpot_ms_p99: float
+  host_overhead_us: float
+  compile_s: float
+  memory_bytes: int              # parameters + the decode state (KV caches, buffers, ring)
+  peak_device_bytes: int | None  # from the device's allocator, where it reports one
+  step_bytes: float = 0.0
+  step_flops: float = 0.0
+  bandwidth_fraction: float | None = None
+  roofline_fraction: float | None = None
+  bound: str | None = None
   speedup: float = 1.0
 
 
-def run(model_dir: str, modes: list[str], batch_sizes: list[int], max_new_tokens: int,
-        prompt_tokens: int = 64, rounds: int = 1, repeats: int = 2, log=print,
-        cost_table: str | None = None) -> list[Result]:
-  base = api.Decoder.load(model_dir, batch_size=1, k=0)
-  mcfg, hcfg = base.engine.model_cfg, base.engine.heads_cfg
+def _bytes(tree) -> int:
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)
+                 if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)))
+
+
+def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: int,
+        prompt_tokens: int = 64, rounds: int = 1, repeats: int = 2, warmup: int = 1,
+        temperature: float = 0.0, prompts: str = "", draft_model: str = "",
+        machine: dict | None = None, log=print, cost_table: str | None = None) -> list[Result]:
+  mcfg, hcfg, params, tok = load_model(model)
+  draft = None
+  if any(parse_mode(m)[0] == "model" for m in modes):
+    if not draft_model:
+      raise ValueError("draft:K modes need --draft_model")
+    dm, dh, dp, dtok = ckpt_lib.load_model_dir(draft_model)
+    if dtok.hf.to_str() != tok.hf.to_str():
+      raise ValueError(f"--draft_model={draft_model}: its tokenizer differs from the model's")
+    draft = (dm, dh, dp)
   results = []
   for b in batch_sizes:
-    prompts = heldout_prompts(base.tokenizer, b * rounds, prompt_tokens, seed=b)
-    reqs = [api.Request(p, max_new_tokens) for p in prompts]
-    decoders = {}
+    ids = load_prompts(prompts, tok, b * rounds, prompt_tokens, seed=b)
+    reqs = [api.Request(p, max_new_tokens, temperature=temperature, seed=i)
+            for i, p in enumerate(ids)]
+    longest = max(len(p) for p in ids)
+    decoders, compile_s = {}, {}
     for mode in modes:
-      k = parse_mode(mode)
+      drafter, k = parse_mode(mode)
+      kd = hcfg.num if k == "auto" else k
       # The cache holds what a row can reach (attention reads all of it every step).
-      max_len = min(mcfg.max_seq_len, prompt_tokens + max_new_tokens + hcfg.num + 2)
+      max_len = min(mcfg.max_seq_len, longest + max_new_tokens + kd + 2)
       dcfg = DecodeConfig(batch_size=b, k=-1 if k == "auto" else k, ring_size=32,
-                          adaptive=k == "auto", max_len=max_len)
-      dec = api.Decoder(mcfg, hcfg, base.params, base.tokenizer, dcfg)
+                          adaptive=k == "auto", max_len=max_len, drafter=drafter)
+      dec = api.Decoder(mcfg, hcfg, params, tok, dcfg,
+                        draft=draft if drafter == "model" else None)
+      t0 = time.perf_counter()
       if k == "auto":
         dec.calibrate(cost_table)
-      dec.warmup(prompt_tokens)
-      dec.run(reqs[:b])                                   # host-side helpers warmed too
+      dec.warmup(longest)
+      compile_s[mode] = time.perf_counter() - t0
+      for _ in range(warmup):
+        dec.run(reqs[:b])                                 # host-side helpers warmed too
       decoders[mode] = dec
     best = {m: None for m in modes}
     for _ in range(repeats):
       for mode in modes:
+        dec = decoders[mode]
         t0 = time.perf_counter()
-        outs = decoders[mode].run(reqs)
+        outs = dec.run(reqs)
         dt = time.perf_counter() - t0
         n = sum(len(o.token_ids) for o in outs)
-        st = decoders[mode].last_stats
+        st, tm = dec.last_stats, dec.last_timing
+        ttft = np.array([o.ttft_s for o in outs]) * 1e3
+        tpot = np.array([(o.latency_s - o.ttft_s) / max(len(o.token_ids) - 1, 1)
+                         for o in outs]) * 1e3
+        state_bytes = _bytes(jax.eval_shape(dec.engine.init_state))
+        stats = jax.devices()[0].memory_stats() or {}
         r = Result(mode, b, n / dt, st["acceptance_length"], st["acceptance_rate_per_position"],
-                   n, dt)
+                   n, dt, st["steps"], float(np.percentile(ttft, 50)),
+                   float(np.percentile(ttft, 99)), float(np.percentile(tpot, 50)),
+                   float(np.percentile(tpot, 99)),
+                   (tm["wall_s"] - tm["wait_s"]) / max(st["steps"], 1) * 1e6, compile_s[mode],
+                   _bytes(dec.params) + state_bytes, stats.get("peak_bytes_in_use"))
         if best[mode] is None or r.tokens_per_s > best[mode].tokens_per_s:
           best[mode] = r
-    base_tps = best.get("vanilla").tokens_per_s if "vanilla" in best else None
+    base_tps = best["vanilla"].tokens_per_s if "vanilla" in best else None
     for mode in modes:
       r = best[mode]
       if base_tps:
         r.speedup = r.tokens_per_s / base_tps
+      _roofline(r, decoders[mode], mcfg, hcfg, params, draft, machine)
       results.append(r)
       log(format_row(r))
   return results
 
 
-HEADER = ("| mode | batch | tokens/s | speedup | acceptance length | acceptance per position |\n"
-          "|---|---|---|---|---|---|")
+def _roofline(r: Result, dec, mcfg, hcfg, params, draft, machine):
+  eng = dec.engine
+  st = dec.last_stats
+  k = sum(st["drafted"]) / max(st["row_steps"], 1)     # drafts verified per row and step
+  nbytes, flops = step_cost(mcfg, hcfg, eng.cfg, k, r.batch_size, params,
+                            draft[2] if draft and eng.drafter == "model" else None,
+                            draft[0] if draft else None)
+  r.step_bytes, r.step_flops = nbytes, flops
+  if not machine or "memory_bandwidth_gb_s" not in machine or not r.steps:
+    return
+  bw, peak = machine["memory_bandwidth_gb_s"] * 1e9, machine["matmul_gflop_s"] * 1e9
+  steps_per_s = r.steps / r.seconds
+  intensity = flops / nbytes
+  r.bandwidth_fraction = nbytes * steps_per_s / bw
+  r.roofline_fraction = flops * steps_per_s / min(peak, intensity * bw)
+  r.bound = "memory" if intensity < peak / bw else "compute"
+
+
+HEADER = ("| mode | batch | tokens/s | speedup | acceptance length | acceptance per position | "
+          "TTFT p50 ms | TPOT p50/p99 ms | host us/step | roofline | bound | compile s |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def format_row(r: Result) -> str:
   per = " ".join(f"{x:.2f}" for x in r.acceptance_rate_per_position) or "-"
+  roof = "-" if r.roofline_fraction is None else f"{r.roofline_fraction:.2f}"
   return (f"| {r.mode} | {r.batch_size} | {r.tokens_per_s:.1f} | {r.speedup:.2f} | "
-          f"{r.acceptance_length:.2f} | {per} |")
+          f"{r.acceptance_length:.2f} | {per} | {r.ttft_ms_p50:.1f} | "
+          f"{r.tpot_ms_p50:.2f}/{r.tpot_ms_p99:.2f} | {r.host_overhead_us:.0f} | {roof} | "
+          f"{r.bound or '-'} | {r.compile_s:.1f} |")
+
+
+def write_outputs(out_dir: str, machine: dict, results: list[Result], command: str = ""):
+  """results.json, results.md and results.png (throughput and speedup vs batch size)."""
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, "results.json"), "w") as f:
+    json.dump({"machine": machine, "command": command,
+               "results": [dataclasses.asdict(r) for r in results]}, f, indent=2)
+  with open(os.path.join(out_dir, "results.md"), "w") as f:
+    if command:
+      f.write(f"`{command}`\n\n")
+    f.write(", ".join(f"{k}: {v}" for k, v in machine.items()) + "\n\n")
+    f.write(HEADER + "\n" + "\n".join(format_row(r) for r in results) + "\n")
+  plot(results, os.path.join(out_dir, "results.png"))
+
+
+def plot(results: list[Result], path: str):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+  for mode in dict.fromkeys(r.mode for r in results):
+    rs = sorted((r for r in results if r.mode == mode), key=lambda r: r.batch_size)
+    bs = [r.batch_size for r in rs]
+    ax1.plot(bs, [r.tokens_per_s for r in rs], marker="o", label=mode)
+    ax2.plot(bs, [r.speedup for r in rs], marker="o", label=mode)
+  for ax, name in ((ax1, "output tokens/s"), (ax2, "speedup over vanilla")):
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size (concurrent rows)")
+    ax.set_ylabel(name)
+    ax.grid(True, alpha=0.3)
+  ax2.axhline(1.0, color="gray", lw=1, ls="--")
+  ax1.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

@@ -98,6 +98,7 @@ class HeadsConfig:
 MODES = ("joint", "heads_only")
 DISTILL_SOURCES = ("corpus", "generated")
 DISTILL_TARGETS = ("hard", "soft")
+DRAFTERS = ("heads", "ngram", "model")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +111,7 @@ class DataConfig:
   heldout_permille: int = 20        # files whose path hash falls below this go to held-out
   max_files: int = 0                # 0 = all files (sorted by path, then capped)
   tokenizer_train_bytes: int = 8_000_000
+  tokenizer: str = ""               # reuse this model directory's tokenizer ('' = train one)
   seq_len: int = 128                # positions trained per window (heads see K more tokens)
   seed: int = 0
 
@@ -189,6 +191,8 @@ class DecodeConfig:
   adapt_every: int = 4              # adaptive: steps run with one choice of k (a segment)
   probe_every: int = 4              # adaptive: every n-th plain segment drafts at its last step
   prefill_rows: int = 8             # prompts prefilled per call when several slots are free
+  drafter: str = "heads"            # heads (MTP) | ngram (prompt lookup) | model (a draft model)
+  ngram_n: int = 2                  # ngram: the suffix length looked up in the row's history
 
   def __post_init__(self):
     _positive(self, "batch_size", "ring_size", "min_bucket", "accept_window", "probe_every",
@@ -199,6 +203,11 @@ class DecodeConfig:
       _fail("decode.max_len", self.max_len, "must be >= 0")
     if self.k < -1:
       _fail("decode.k", self.k, "must be -1 (all heads), 0 (plain decoding) or a head count")
+    if self.drafter not in DRAFTERS:
+      _fail("decode.drafter", self.drafter, f"must be one of {DRAFTERS}")
+    if self.drafter != "heads" and self.k < 0:
+      _fail("decode.k", self.k, f"must be set (>= 0) with decode.drafter={self.drafter!r}")
+    _positive(self, "ngram_n")
 
   def resolve(self, model: "ModelConfig", heads: "HeadsConfig") -> "DecodeConfig":
     """Fills the defaults from a model and checks the values against it."""
@@ -206,7 +215,7 @@ class DecodeConfig:
     if max_len > model.max_seq_len:
       _fail("decode.max_len", self.max_len, f"must be <= model.max_seq_len={model.max_seq_len}")
     k = heads.num if self.k == -1 else self.k
-    if k > heads.num:
+    if k > heads.num and self.drafter == "heads":
       _fail("decode.k", self.k, f"must be <= heads.num={heads.num}")
     if max_len <= k + 1:
       _fail("decode.max_len", max_len, f"must be > k + 1 = {k + 1}")

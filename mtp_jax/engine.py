@@ -41,6 +41,7 @@ class DecodeState:
   draft_logq: jax.Array    # [B, Kd, V] the heads' processed log-probabilities of those drafts
   draft_conf: jax.Array    # [B, Kd] the heads' confidence (peak probability) per draft
   cache: kv.KVCache
+  draft_cache: kv.KVCache | None  # the draft model's cache (drafter 'model'), else None
   key: jax.Array           # [B] one PRNG key per row (a row's stream ignores the other rows)
   temperature: jax.Array   # [B] f32, 0 = greedy
   top_k: jax.Array         # [B] int32, 0 = off
@@ -62,6 +63,7 @@ class Prefix:
   tokens: jax.Array        # [n, P]
   length: jax.Array        # [n] true prompt lengths
   cache: kv.KVCache        # [n, P, G, H] per layer
+  draft_cache: kv.KVCache | None   # [n, P + Kd + 1, ...] the draft model's (drafter 'model')
   first: jax.Array         # [n] the first generated token
   drafts: jax.Array        # [n, Kd]
   draft_logq: jax.Array    # [n, Kd, V]
@@ -79,11 +81,22 @@ class Engine:
   """
 
   def __init__(self, model_cfg: ModelConfig, heads_cfg: HeadsConfig, decode_cfg: DecodeConfig,
-               eod_id: int):
+               eod_id: int, draft_model: tuple[ModelConfig, HeadsConfig] | None = None):
+    """draft_model: the (model, heads) configs of the draft model when decode_cfg.drafter is
+    'model'; params are then (target params, draft params)."""
     self.model_cfg, self.heads_cfg = model_cfg, heads_cfg
     self.cfg = decode_cfg.resolve(model_cfg, heads_cfg)
     self.eod_id = eod_id
     self.graphdef, _ = model_lib.abstract(model_cfg, heads_cfg)
+    self.drafter = self.cfg.drafter
+    if (self.drafter == "model") != (draft_model is not None):
+      raise ValueError("a draft model is needed exactly when decode.drafter='model'")
+    self.draft_cfg = draft_model
+    if draft_model is not None:
+      if draft_model[0].vocab_size != model_cfg.vocab_size:
+        raise ValueError(f"draft model vocab_size={draft_model[0].vocab_size} differs from the "
+                         f"target's {model_cfg.vocab_size}")
+      self.draft_graphdef, _ = model_lib.abstract(*draft_model)
     self.kd = self.cfg.k
     # Seconds per step for k = 0..Kd; until calibrated, equal costs (the controller then only
     # weighs expected tokens).
@@ -106,7 +119,10 @@ class Engine:
         prompt_len=jnp.ones((b,), jnp.int32), stop_len=jnp.ones((b,), jnp.int32),
         done=jnp.ones((b,), bool), drafts=jnp.zeros((b, kd), jnp.int32),
         draft_logq=jnp.zeros((b, kd, v), jnp.float32), draft_conf=jnp.zeros((b, kd), jnp.float32),
-        cache=kv.init_cache(self.model_cfg, b, s, self.dtype), key=jax.random.split(jax.random.key(seed), b),
+        cache=kv.init_cache(self.model_cfg, b, s, self.dtype),
+        draft_cache=(kv.init_cache(self.draft_cfg[0], b, s, self.dtype)
+                     if self.drafter == "model" else None),
+        key=jax.random.split(jax.random.key(seed), b),
         temperature=jnp.zeros((b,), jnp.float32), top_k=jnp.zeros((b,), jnp.int32),
         top_p=jnp.ones((b,), jnp.float32), penalty=jnp.ones((b,), jnp.float32),
         ring=ring_lib.init_ring(self.cfg.ring_size, b, kd), step=jnp.zeros((), jnp.int32),
@@ -163,7 +179,78 @@ class Engine:
     jax.block_until_ready(state)
     return len(buckets)
 
+  def _bind(self, params):
+    """-> (target model, draft model or None)."""
+    if self.drafter == "model":
+      return (model_lib.bind(self.graphdef, params[0]),
+              model_lib.bind(self.draft_graphdef, params[1]))
+    return model_lib.bind(self.graphdef, params), None
+
   # ------------------------------------------------------------------ drafting
+
+  def _draft_from(self, m, dm, h_BD, tokens_BS, length_B, draft_cache, key, sp, presence_BV,
+                  sample: bool):
+    """Drafts for the next step from the configured drafter; the row's committed tokens are
+    tokens_BS[:, :length_B]. -> (drafts, logq, conf, draft_cache)."""
+    if self.drafter == "heads" or self.kd == 0:
+      return self._draft(m, h_BD, key, sp, presence_BV, sample) + (draft_cache,)
+    if self.drafter == "ngram":
+      return self._draft_ngram(tokens_BS, length_B, sample) + (draft_cache,)
+    return self._draft_model(dm, tokens_BS, length_B, draft_cache, key, sp, presence_BV, sample)
+
+  def _draft_ngram(self, tokens_BS, length_B, sample: bool):
+    """Prompt lookup: find the latest earlier occurrence of the row's last n tokens in its
+    history and propose the Kd tokens that followed it. The drafts are deterministic (q is one-hot
+    on them), so sampling verification stays exact. conf is 1 where a match was found, else 0."""
+    n, kd, v = self.cfg.ngram_n, self.kd, self.model_cfg.vocab_size
+    b, s = tokens_BS.shape
+    last = jnp.take_along_axis(tokens_BS, jnp.maximum(length_B - n, 0)[:, None] + jnp.arange(n),
+                               axis=1)                                  # [B, n]
+    w = s - n
+    eq = jnp.ones((b, w), bool)
+    for i in range(n):
+      eq &= tokens_BS[:, i: i + w] == last[:, i: i + 1]
+    j = jnp.arange(w)[None]
+    ok = eq & (j < (length_B - n)[:, None])          # the match ends before the suffix itself
+    found = jnp.any(ok, 1) & (length_B > n)
+    best = jnp.max(jnp.where(ok, j, -1), 1)
+    idx = jnp.clip(best[:, None] + n + jnp.arange(kd)[None], 0, s - 1)
+    drafts = jnp.take_along_axis(tokens_BS, idx, axis=1)
+    conf = jnp.broadcast_to(found[:, None], (b, kd)).astype(jnp.float32)
+    logq = (jnp.where(jnp.arange(v) == drafts[..., None], 0.0, sampling.NEG_INF)
+            if sample else jnp.zeros((b, kd, v), jnp.float32))
+    return drafts, logq, conf
+
+  def _draft_model(self, dm, tokens_BS, length_B, cache, key, sp, presence_BV, sample: bool):
+    """Classic speculative decoding's drafter: the draft model (its own KV cache) runs the last
+    two committed tokens (positions L-2, L-1: the one before may be a draft it never saw), then
+    one token per further draft."""
+    b, v = tokens_BS.shape[0], self.model_cfg.vocab_size
+    pos = (length_B - 2)[:, None] + jnp.arange(2)[None]
+    inp = jnp.take_along_axis(tokens_BS, pos, axis=1)
+    h, cache = dm(inp, pos, cache)
+    logits = dm.logits(h[:, -1])
+    subs = sampling.split_rows(key, self.kd)
+    drafts, logqs, confs = [], [], []
+    for i in range(self.kd):
+      if sample:
+        logq = sampling.process_logits(logits, *sp, presence_BV)
+        d = sampling.sample(subs[:, i], logq)
+        presence_BV = presence_BV.at[jnp.arange(b), d].set(True)
+        conf = jnp.exp(jnp.max(logq, -1))
+      else:
+        logq = jnp.zeros((b, v), jnp.float32)
+        d = jnp.argmax(logits, -1).astype(jnp.int32)
+        conf = (jnp.max(jax.nn.softmax(logits.astype(jnp.float32), -1), -1) if self.needs_conf
+                else jnp.zeros((b,), jnp.float32))
+      drafts.append(d)
+      logqs.append(logq)
+      confs.append(conf)
+      if i + 1 < self.kd:
+        p1 = (length_B + i)[:, None]
+        h, cache = dm(d[:, None], p1, cache)
+        logits = dm.logits(h[:, 0])
+    return jnp.stack(drafts, 1), jnp.stack(logqs, 1), jnp.stack(confs, 1), cache
 
   def _draft(self, m, h_BD, key, sp, presence_BV, sample: bool):
     """Drafts from the heads at one hidden state per row
@@ -201,10 +288,14 @@ class Engine:
 
   def _prefill_impl(self, params, tokens_NP, length_N, key, temperature, top_k, top_p, penalty,
                     sample: bool):
-    m = model_lib.bind(self.graphdef, params)
+    m, dm = self._bind(params)
     n, p = tokens_NP.shape
     cache = kv.init_cache(self.model_cfg, n, p, self.dtype)
     h, cache = m(tokens_NP, jnp.broadcast_to(jnp.arange(p), (n, p)), cache)
+    dcache = None
+    if dm is not None:       # room for the first token and the drafts after the prompt
+      dcache = kv.init_cache(self.draft_cfg[0], n, p + self.kd + 1, self.dtype)
+      _, dcache = dm(tokens_NP, jnp.broadcast_to(jnp.arange(p), (n, p)), dcache)
     h_last = jnp.take_along_axis(h, (length_N - 1)[:, None, None], axis=1)[:, 0]
     logits = m.logits(h_last)
     ks = sampling.split_rows(key, 3)
@@ -217,9 +308,12 @@ class Engine:
       presence = presence.at[jnp.arange(n), first].set(True)
     else:
       first = jnp.argmax(logits, -1).astype(jnp.int32)
-    drafts, logq, conf = self._draft(m, h_last, k_draft, sp, presence, sample)
-    return Prefix(tokens=tokens_NP, length=length_N, cache=cache, first=first, drafts=drafts,
-                  draft_logq=logq, draft_conf=conf, key=key)
+    hist = jnp.zeros((n, p + self.kd + 1), jnp.int32).at[:, :p].set(tokens_NP)
+    hist = hist.at[jnp.arange(n), length_N].set(first)
+    drafts, logq, conf, dcache = self._draft_from(m, dm, h_last, hist, length_N + 1, dcache,
+                                                  k_draft, sp, presence, sample)
+    return Prefix(tokens=tokens_NP, length=length_N, cache=cache, draft_cache=dcache, first=first,
+                  drafts=drafts, draft_logq=logq, draft_conf=conf, key=key)
 
   def prefill(self, params, prompts: list[list[int]], key, temperature, top_k, top_p,
               penalty=None) -> Prefix:
@@ -248,6 +342,14 @@ class Engine:
     cols = jnp.arange(p)[None, :]
     k = tuple(c.at[rows, cols].set(pc.astype(c.dtype)) for c, pc in zip(state.cache.k, prefix.cache.k))
     v = tuple(c.at[rows, cols].set(pc.astype(c.dtype)) for c, pc in zip(state.cache.v, prefix.cache.v))
+    dcache = state.draft_cache
+    if dcache is not None:
+      dcols = jnp.arange(prefix.draft_cache.max_len)[None, :]
+      dcache = kv.KVCache(
+          k=tuple(c.at[rows, dcols].set(pc.astype(c.dtype))
+                  for c, pc in zip(dcache.k, prefix.draft_cache.k)),
+          v=tuple(c.at[rows, dcols].set(pc.astype(c.dtype))
+                  for c, pc in zip(dcache.v, prefix.draft_cache.v)))
     row_tokens = jnp.zeros((n, s), jnp.int32).at[:, :p].set(prefix.tokens)
     row_tokens = jnp.where(jnp.arange(s)[None] < prefix.length[:, None], row_tokens, 0)
     row_tokens = row_tokens.at[jnp.arange(n), prefix.length].set(prefix.first)
@@ -262,7 +364,8 @@ class Engine:
         drafts=state.drafts.at[slots].set(prefix.drafts),
         draft_logq=state.draft_logq.at[slots].set(prefix.draft_logq),
         draft_conf=state.draft_conf.at[slots].set(prefix.draft_conf),
-        cache=kv.KVCache(k=k, v=v), key=state.key.at[slots].set(prefix.key),
+        cache=kv.KVCache(k=k, v=v), draft_cache=dcache,
+        key=state.key.at[slots].set(prefix.key),
         temperature=state.temperature.at[slots].set(temperature),
         top_k=state.top_k.at[slots].set(top_k), top_p=state.top_p.at[slots].set(top_p),
         penalty=state.penalty.at[slots].set(penalty), row_steps=state.row_steps.at[slots].set(z),
@@ -284,7 +387,8 @@ class Engine:
 
   # ------------------------------------------------------------------ the step
 
-  def step(self, m, state: DecodeState, k: int, sample: bool, draft: bool = True) -> DecodeState:
+  def step(self, m, state: DecodeState, k: int, sample: bool, draft: bool = True,
+           dm=None) -> DecodeState:
     """One draft-and-verify step with k drafts (static), for all rows. With a confidence
     threshold, a row verifies only its drafts before the first one its head doubts.
 
@@ -329,8 +433,10 @@ class Engine:
       b = length.shape[0]
       emitted = jnp.arange(k + 1)[None] < n_emit[:, None]
       new_pres = base.at[jnp.arange(b)[:, None], out].max(emitted)
+    dcache = state.draft_cache
     if draft:
-      new_drafts, logq, conf = self._draft(m, h_last, k_draft, sp, new_pres, sample)
+      new_drafts, logq, conf, dcache = self._draft_from(m, dm, h_last, tokens, new_length, dcache,
+                                                        k_draft, sp, new_pres, sample)
     else:
       new_drafts, logq = state.drafts, state.draft_logq
       conf = jnp.zeros_like(state.draft_conf)
@@ -344,7 +450,7 @@ class Engine:
                            k, n_active)
     return state.replace(
         tokens=tokens, length=new_length, done=done, drafts=new_drafts, draft_logq=logq,
-        draft_conf=conf, cache=cache, key=key, ring=ring, step=state.step + 1,
+        draft_conf=conf, cache=cache, draft_cache=dcache, key=key, ring=ring, step=state.step + 1,
         row_steps=state.row_steps + active.astype(jnp.int32),
         row_emitted=state.row_emitted + n_emit, drafted=drafted, accepted=accepted)
 
@@ -365,7 +471,7 @@ class Engine:
     return jnp.where(state.k_force >= 0, state.k_force, k)
 
   def _generate_impl(self, params, state: DecodeState, num_steps, sample: bool):
-    m = model_lib.bind(self.graphdef, params)
+    m, dm = self._bind(params)
     not_done = lambda st: ~jnp.all(st.done)
 
     def run(st, n, fn):
@@ -380,8 +486,8 @@ class Engine:
       # the controller sees fresh confidences when the load drops); branch k+1: k drafts.
       plain = lambda st: self.step(m, st, 0, sample, draft=False)
       branches = [lambda st, n: run(st, n, plain),
-                  lambda st, n: self.step(m, run(st, n - 1, plain), 0, sample)]
-      branches += [lambda st, n, k=k: run(st, n, lambda x: self.step(m, x, k, sample))
+                  lambda st, n: self.step(m, run(st, n - 1, plain), 0, sample, dm=dm)]
+      branches += [lambda st, n, k=k: run(st, n, lambda x: self.step(m, x, k, sample, dm=dm))
                    for k in range(1, self.kd + 1)]
 
       def segment(st, n):
@@ -391,7 +497,7 @@ class Engine:
         idx = jnp.where(k > 0, k + 1, jnp.where(probe & (st.k_force < 0), 1, 0))
         return jax.lax.switch(idx, branches, st, n)
     else:
-      segment = lambda st, n: self.step(m, st, self.kd, sample)       # one step per iteration
+      segment = lambda st, n: self.step(m, st, self.kd, sample, dm=dm)  # one step per iteration
 
     def body(carry):
       i, st = carry
@@ -441,7 +547,7 @@ def stats(state: DecodeState) -> dict:
   drafted, accepted = np.asarray(state.drafted), np.asarray(state.accepted)
   steps, emitted = np.asarray(state.row_steps), np.asarray(state.row_emitted)
   return {
-      "steps": int(np.asarray(state.step)),
+      "steps": int(np.asarray(state.step)), "row_steps": int(steps.sum()),
       "acceptance_length": float(emitted.sum() / max(steps.sum(), 1)),
       "acceptance_rate_per_position": [float(a / d) if d else 0.0
                                        for a, d in zip(accepted, drafted)],

@@ -272,8 +272,9 @@ def hash_str(s: str) -> int:
 
 def _load_or_train_tokenizer(cfg: Config, workdir: str, train_files: list[str]) -> Tokenizer:
   path = os.path.join(workdir, "tokenizer.json")
-  if cfg.train.init_from:
-    tok = Tokenizer.load(os.path.join(cfg.train.init_from, "tokenizer.json"))
+  if cfg.train.init_from or cfg.data.tokenizer:
+    src = cfg.data.tokenizer or cfg.train.init_from
+    tok = Tokenizer.load(os.path.join(src, "tokenizer.json"))
   elif os.path.exists(path):
     tok = Tokenizer.load(path)
   else:

@@ -1,0 +1,66 @@
+"""mtp-bench smoke run on the tiny model: every mode, all three outputs, sane values."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mtp_jax import benchmark
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIELDS = ("mode", "batch_size", "tokens_per_s", "acceptance_length", "speedup", "ttft_ms_p50",
+          "tpot_ms_p50", "tpot_ms_p99", "host_overhead_us", "roofline_fraction")
+
+
+def test_every_mode_writes_json_table_and_plot(trained_tiny, tmp_path):
+  _, workdir, _ = trained_tiny
+  model = os.path.join(workdir, "model")
+  modes = ["vanilla", "mtp:2", "adaptive", "draft:2", "ngram:2"]
+  machine = benchmark.machine_info(roofline=True)
+  assert machine["memory_bandwidth_gb_s"] > 0 and machine["matmul_gflop_s"] > 0
+  results = benchmark.run(model, modes, [2], max_new_tokens=8, prompt_tokens=16, repeats=1,
+                          warmup=0, draft_model=model, machine=machine, log=lambda s: None,
+                          cost_table=str(tmp_path / "costs.json"))
+  out = tmp_path / "out"
+  benchmark.write_outputs(str(out), machine, results, "mtp-bench --test")
+  data = json.load(open(out / "results.json"))
+  assert data["machine"]["platform"] == machine["platform"]
+  assert [(r["mode"], r["batch_size"]) for r in data["results"]] == [(m, 2) for m in modes]
+  for r in data["results"]:
+    for f in FIELDS:
+      assert r[f] is not None, (r["mode"], f)
+    assert r["tokens_per_s"] > 0 and r["new_tokens"] > 0
+    assert 0 < r["ttft_ms_p50"] and 0 < r["tpot_ms_p50"] <= r["tpot_ms_p99"]
+    assert r["acceptance_length"] >= 1.0 and r["compile_s"] > 0 and r["memory_bytes"] > 0
+    assert 0 < r["roofline_fraction"] and r["bound"] in ("memory", "compute")
+    if r["mode"] == "vanilla":
+      assert r["speedup"] == 1.0 and r["acceptance_length"] == 1.0
+  # The target drafting for itself accepts (nearly) everything.
+  draft = [r for r in data["results"] if r["mode"] == "draft:2"]
+  assert min(draft[0]["acceptance_rate_per_position"]) > 0.95, draft
+  md = (out / "results.md").read_text()
+  assert "| draft:2 | 2 |" in md and "mtp-bench --test" in md
+  assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_config_model_and_prompt_files(tmp_path):
+  prompts = tmp_path / "p.jsonl"
+  prompts.write_text('{"id": 1, "prompt": "def f(x):\\n    return x\\n"}\n'
+                     '{"custom_id": "a", "body": {"prompt": "import os\\n"}}\n')
+  res = benchmark.run("config:tiny", ["vanilla", "ngram:2"], [2], max_new_tokens=4,
+                      prompt_tokens=8, repeats=1, warmup=0, prompts=str(prompts),
+                      log=lambda s: None)
+  assert [r.mode for r in res] == ["vanilla", "ngram:2"] and res[0].new_tokens > 0
+  with pytest.raises(ValueError, match="line 1 has no prompt"):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1}\n')
+    benchmark.load_prompts(str(bad), None, 2, 8)
+
+
+def test_cli_rejects_an_unknown_mode():
+  r = subprocess.run([sys.executable, "-m", "infer.bench", "--modes=vanilla,fast:3"], cwd=ROOT,
+                     capture_output=True, text=True, timeout=300,
+                     env=dict(os.environ, PYTHONPATH=ROOT))
+  assert r.returncode != 0 and "unknown mode 'fast:3'" in r.stderr

@@ -1,5 +1,5 @@
 """A model larger than this CPU's 32 MiB last-level cache, for `mtp-bench --model=config:bench_large`
-(random weights: speed only). 8 layers of width 1024: ~110M parameters, ~440 MB in f32, so each
+(random weights: speed only). 8 layers of width 1024: ~95M parameters, ~380 MB in f32, so each
 decode step streams its weights from memory, as decoding on an accelerator does."""
 
 from configs import demo

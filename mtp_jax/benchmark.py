@@ -15,8 +15,9 @@ decode step: the run's wall time minus the time the host spent blocked waiting f
 (prefill results and drained chunks), divided by the decode steps run; it is the host work on
 the critical path (dispatch, detokenising, refilling), in microseconds.
 
-Roofline: the machine's memory bandwidth (a streaming read+write of a working set well beyond the
-last-level cache) and matmul throughput are measured in the same run. Per decode step the bytes
+Roofline: the machine's memory bandwidth (a matrix-vector product streaming a 512 MiB matrix, well
+beyond the last-level cache: the access pattern of decoding) and matmul throughput are measured in
+the same run. Per decode step the bytes
 moved are the parameters plus the whole KV cache (attention reads every cached position) and the
 FLOPs are 2 x multiply-adds of the k+1 verified tokens per row plus drafting; the attained FLOP
 rate over the roof at the step's arithmetic intensity is `roofline_fraction`, and the step is
@@ -158,10 +159,12 @@ def _median_time(fn, *args, reps: int = 5) -> float:
 
 
 def measure_bandwidth(mib: int = 512) -> float:
-  """Bytes/s of a streaming read + write of `mib` MiB (beyond any last-level cache)."""
-  x = jnp.ones((mib * 2**20 // 4,), jnp.float32)
-  f = jax.jit(lambda a: a * 1.0001)
-  return 2 * x.nbytes / _median_time(f, x)
+  """Read bandwidth in bytes/s: a matrix-vector product over a `mib` MiB f32 matrix (beyond any
+  last-level cache), the access pattern of a decode step that streams its weights."""
+  cols = 16384
+  w = jnp.ones((mib * 2**20 // 4 // cols, cols), jnp.float32)
+  v = jnp.ones((cols,), jnp.float32)
+  return w.nbytes / _median_time(jax.jit(lambda a, b: a @ b), w, v)
 
 
 def measure_matmul(n: int = 2048, dtype=jnp.float32) -> float:
@@ -171,12 +174,30 @@ def measure_matmul(n: int = 2048, dtype=jnp.float32) -> float:
   return 2 * n**3 / _median_time(f, a)
 
 
+def last_level_cache_bytes() -> int | None:
+  """The CPU's last-level cache size (Linux sysfs), or None."""
+  best = (0, None)
+  for d in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+    try:
+      level = int(open(os.path.join(d, "level")).read())
+      size = open(os.path.join(d, "size")).read().strip()
+    except (OSError, ValueError):
+      continue
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:], 1)
+    num = int(size[:-1]) if size[-1:] in "KMG" else int(size)
+    if level >= best[0]:
+      best = (level, num * mult)
+  return best[1]
+
+
 def machine_info(roofline: bool = True) -> dict:
   dev = jax.devices()[0]
   info = {"platform": dev.platform, "device_kind": getattr(dev, "device_kind", ""),
           "devices": jax.device_count(), "cpu_count": os.cpu_count(),
           "python": platform.python_version(), "jax": jax.__version__,
           "processor": platform.processor() or platform.machine()}
+  if dev.platform == "cpu":
+    info["last_level_cache_bytes"] = last_level_cache_bytes()
   if roofline:
     info["memory_bandwidth_gb_s"] = round(measure_bandwidth() / 1e9, 2)
     info["matmul_gflop_s"] = round(measure_matmul() / 1e9, 2)
@@ -232,6 +253,8 @@ class Result:
   bandwidth_fraction: float | None = None
   roofline_fraction: float | None = None
   bound: str | None = None
+  fits_in_cache: bool | None = None  # CPU: the step's bytes fit the last-level cache, so DRAM
+                                     # bandwidth is not its roof (roofline_fraction may exceed 1)
   speedup: float = 1.0
 
 
@@ -326,6 +349,8 @@ def _roofline(r: Result, dec, mcfg, hcfg, params, draft, machine):
   r.bandwidth_fraction = nbytes * steps_per_s / bw
   r.roofline_fraction = flops * steps_per_s / min(peak, intensity * bw)
   r.bound = "memory" if intensity < peak / bw else "compute"
+  llc = machine.get("last_level_cache_bytes")
+  r.fits_in_cache = None if not llc else nbytes < llc
 
 
 HEADER = ("| mode | batch | tokens/s | speedup | acceptance length | acceptance per position | "
@@ -336,6 +361,8 @@ HEADER = ("| mode | batch | tokens/s | speedup | acceptance length | acceptance 
 def format_row(r: Result) -> str:
   per = " ".join(f"{x:.2f}" for x in r.acceptance_rate_per_position) or "-"
   roof = "-" if r.roofline_fraction is None else f"{r.roofline_fraction:.2f}"
+  if r.fits_in_cache:
+    roof += " (in cache)"
   return (f"| {r.mode} | {r.batch_size} | {r.tokens_per_s:.1f} | {r.speedup:.2f} | "
           f"{r.acceptance_length:.2f} | {per} | {r.ttft_ms_p50:.1f} | "
           f"{r.tpot_ms_p50:.2f}/{r.tpot_ms_p99:.2f} | {r.host_overhead_us:.0f} | {roof} | "

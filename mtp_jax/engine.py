@@ -101,6 +101,7 @@ class Engine:
     # Seconds per step for k = 0..Kd; until calibrated, equal costs (the controller then only
     # weighs expected tokens).
     self.cost = [1.0] * (self.kd + 1)
+    self.cost_in_seconds = False      # set by calibrate(); only then can runs refine it
     self.needs_conf = self.cfg.adaptive or self.cfg.confidence_threshold > 0
     self.dtype = model_lib.compute_dtype(model_cfg)
     self._prefill = jax.jit(self._prefill_impl, static_argnames=("sample",))
@@ -151,6 +152,7 @@ class Engine:
       cost = adaptive.measure_costs(self, params)
       adaptive.save_table(path, key, cost)
     self.cost = cost
+    self.cost_in_seconds = True
     return cost
 
   def buckets(self, max_prompt_len: int | None = None) -> list[int]:

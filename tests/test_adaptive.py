@@ -113,3 +113,17 @@ def test_k_changes_between_steps_without_recompiles_and_output_is_unchanged(trai
   assert counter.n == 0
   assert [c.token_ids for c in out] == [c.token_ids for c in plain]
   assert len(set(ks)) >= 2, f"k never changed: {sorted(set(ks))}"
+
+
+def test_measured_chunks_refine_the_cost_of_the_k_they_ran(trained_tiny):
+  _, workdir, _ = trained_tiny
+  mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
+  dec = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, adaptive=True))
+  dec.engine.cost = [0.010, 0.012, 0.014, 0.016, 0.018]
+  assert not dec._learn_cost(np.array([3] * 16), 0.64)       # table not in seconds yet
+  dec.engine.cost_in_seconds = True
+  assert dec._learn_cost(np.array([3] * 14 + [0, 0]), 0.64)  # 40 ms per step, mostly k=3
+  np.testing.assert_allclose(dec.engine.cost, [0.010, 0.012, 0.014, 0.7 * 0.016 + 0.3 * 0.04,
+                                               0.018])
+  assert not dec._learn_cost(np.array([1, 2] * 8), 0.5)      # no k dominates: nothing learned
+  assert not dec._learn_cost(np.array([3] * 4), 0.5)         # too few steps

@@ -41,6 +41,7 @@ import numpy as np
 from mtp_jax import api
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import data as data_lib
+from mtp_jax import engine as engine_lib
 from mtp_jax import model as model_lib
 from mtp_jax.config import Config, DataConfig, DecodeConfig, ModelConfig
 
@@ -258,11 +259,6 @@ class Result:
   speedup: float = 1.0
 
 
-def _bytes(tree) -> int:
-  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)
-                 if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)))
-
-
 def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: int,
         prompt_tokens: int = 64, rounds: int = 1, repeats: int = 2, warmup: int = 1,
         temperature: float = 0.0, prompts: str = "", draft_model: str = "",
@@ -312,14 +308,14 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
         ttft = np.array([o.ttft_s for o in outs]) * 1e3
         tpot = np.array([(o.latency_s - o.ttft_s) / max(len(o.token_ids) - 1, 1)
                          for o in outs]) * 1e3
-        state_bytes = _bytes(jax.eval_shape(dec.engine.init_state))
+        state_bytes = engine_lib.tree_bytes(jax.eval_shape(dec.engine.init_state))
         stats = jax.devices()[0].memory_stats() or {}
         r = Result(mode, b, n / dt, st["acceptance_length"], st["acceptance_rate_per_position"],
                    n, dt, st["steps"], float(np.percentile(ttft, 50)),
                    float(np.percentile(ttft, 99)), float(np.percentile(tpot, 50)),
                    float(np.percentile(tpot, 99)),
                    (tm["wall_s"] - tm["wait_s"]) / max(st["steps"], 1) * 1e6, compile_s[mode],
-                   _bytes(dec.params) + state_bytes, stats.get("peak_bytes_in_use"))
+                   engine_lib.tree_bytes(dec.params) + state_bytes, stats.get("peak_bytes_in_use"))
         if best[mode] is None or r.tokens_per_s > best[mode].tokens_per_s:
           best[mode] = r
     base_tps = best["vanilla"].tokens_per_s if "vanilla" in best else None

@@ -310,8 +310,10 @@ class Engine:
       presence = presence.at[jnp.arange(n), first].set(True)
     else:
       first = jnp.argmax(logits, -1).astype(jnp.int32)
-    hist = jnp.zeros((n, p + self.kd + 1), jnp.int32).at[:, :p].set(tokens_NP)
-    hist = hist.at[jnp.arange(n), length_N].set(first)
+    hist = None
+    if self.drafter != "heads":   # ngram and the draft model read the tokens, first included
+      hist = jnp.zeros((n, p + self.kd + 1), jnp.int32).at[:, :p].set(tokens_NP)
+      hist = hist.at[jnp.arange(n), length_N].set(first)
     drafts, logq, conf, dcache = self._draft_from(m, dm, h_last, hist, length_N + 1, dcache,
                                                   k_draft, sp, presence, sample)
     return Prefix(tokens=tokens_NP, length=length_N, cache=cache, draft_cache=dcache, first=first,
@@ -341,17 +343,15 @@ class Engine:
     n, p = prefix.tokens.shape
     s = self.cfg.max_len
     rows = slots[:, None]
-    cols = jnp.arange(p)[None, :]
-    k = tuple(c.at[rows, cols].set(pc.astype(c.dtype)) for c, pc in zip(state.cache.k, prefix.cache.k))
-    v = tuple(c.at[rows, cols].set(pc.astype(c.dtype)) for c, pc in zip(state.cache.v, prefix.cache.v))
-    dcache = state.draft_cache
-    if dcache is not None:
-      dcols = jnp.arange(prefix.draft_cache.max_len)[None, :]
-      dcache = kv.KVCache(
-          k=tuple(c.at[rows, dcols].set(pc.astype(c.dtype))
-                  for c, pc in zip(dcache.k, prefix.draft_cache.k)),
-          v=tuple(c.at[rows, dcols].set(pc.astype(c.dtype))
-                  for c, pc in zip(dcache.v, prefix.draft_cache.v)))
+
+    def put(cache, rows_cache):    # the prefix's positions 0..P'-1 into the slots' rows
+      cols = jnp.arange(rows_cache.max_len)[None, :]
+      put1 = lambda c, pc: c.at[rows, cols].set(pc.astype(c.dtype))
+      return kv.KVCache(k=tuple(map(put1, cache.k, rows_cache.k)),
+                        v=tuple(map(put1, cache.v, rows_cache.v)))
+
+    dcache = (None if state.draft_cache is None
+              else put(state.draft_cache, prefix.draft_cache))
     row_tokens = jnp.zeros((n, s), jnp.int32).at[:, :p].set(prefix.tokens)
     row_tokens = jnp.where(jnp.arange(s)[None] < prefix.length[:, None], row_tokens, 0)
     row_tokens = row_tokens.at[jnp.arange(n), prefix.length].set(prefix.first)
@@ -366,7 +366,7 @@ class Engine:
         drafts=state.drafts.at[slots].set(prefix.drafts),
         draft_logq=state.draft_logq.at[slots].set(prefix.draft_logq),
         draft_conf=state.draft_conf.at[slots].set(prefix.draft_conf),
-        cache=kv.KVCache(k=k, v=v), draft_cache=dcache,
+        cache=put(state.cache, prefix.cache), draft_cache=dcache,
         key=state.key.at[slots].set(prefix.key),
         temperature=state.temperature.at[slots].set(temperature),
         top_k=state.top_k.at[slots].set(top_k), top_p=state.top_p.at[slots].set(top_p),
@@ -522,12 +522,17 @@ class Engine:
     return self._generate(params, state, jnp.asarray(num_steps, jnp.int32), sample=sample)
 
 
-def state_bytes(model_cfg: ModelConfig, heads_cfg: HeadsConfig, decode_cfg: DecodeConfig) -> int:
-  """Bytes of the decode state (KV cache, token buffer, drafts, ring, ...) for decode_cfg."""
-  eng = Engine(model_cfg, heads_cfg, decode_cfg, 0)
-  shapes = jax.eval_shape(eng.init_state)
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)
-             if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key))
+def tree_bytes(tree) -> int:
+  """Bytes of a pytree of arrays or shapes (PRNG keys, a few bytes each, are left out)."""
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)
+                 if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)))
+
+
+def state_bytes(model_cfg: ModelConfig, heads_cfg: HeadsConfig, decode_cfg: DecodeConfig,
+                draft_model=None) -> int:
+  """Bytes of the decode state (KV caches, token buffer, drafts, ring, ...) for decode_cfg."""
+  eng = Engine(model_cfg, heads_cfg, decode_cfg, 0, draft_model)
+  return tree_bytes(jax.eval_shape(eng.init_state))
 
 
 def max_slots(model_cfg: ModelConfig, heads_cfg: HeadsConfig, decode_cfg: DecodeConfig,

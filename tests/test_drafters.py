@@ -7,13 +7,13 @@ import os
 import jax
 import numpy as np
 import pytest
-from scipy import stats as sstats
 
 from mtp_jax import api
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import engine as E
 from mtp_jax import model as model_lib
 from mtp_jax.config import DecodeConfig
+from tests.stats import homogeneity
 
 
 @pytest.fixture(scope="module")
@@ -85,13 +85,8 @@ def test_sampling_is_lossless(tiny, drafter):
 
   a, _ = sample(0, 1)
   b, st = sample(3, 2, drafter=drafter)
-  pa, pb = [f"{x},{y}" for x, y in a], [f"{x},{y}" for x, y in b]
-  cats = sorted(set(pa) | set(pb))
-  ca = np.array([pa.count(c) for c in cats])
-  cb = np.array([pb.count(c) for c in cats])
-  small = (ca + cb) < 20
-  table = np.stack([np.r_[ca[~small], ca[small].sum()], np.r_[cb[~small], cb[small].sum()]])
-  table = table[:, table.sum(0) > 0]
-  assert table.shape[1] >= 4, "too few categories for a meaningful test"
-  assert sstats.chi2_contingency(table)[1] > 1e-4, table
+  pairs = lambda x: [f"{p},{q}" for p, q in x]
+  pvalue, n_cats, table = homogeneity(pairs(a), pairs(b))
+  assert n_cats >= 4, "too few categories for a meaningful test"
+  assert pvalue > 1e-4, table
   assert sum(st["drafted"]) > 0

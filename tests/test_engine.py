@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats as sstats
 
 from mtp_jax import api
 from mtp_jax import checkpoint as ckpt_lib
@@ -16,6 +15,7 @@ from mtp_jax import engine as E
 from mtp_jax import generate as G
 from mtp_jax import ring as ring_lib
 from mtp_jax.config import DecodeConfig
+from tests.stats import homogeneity
 
 
 @pytest.fixture(scope="module")
@@ -137,17 +137,9 @@ def test_sampling_is_lossless(tiny_model, penalty, threshold):
   assert sum(st["accepted"]) > 0.1 * sum(st["drafted"]), st
   if threshold:
     assert sum(st["drafted"]) < 0.9 * 3 * 24 * 64 * 2, "the threshold cut no chain"
-  def pairs(x):
-    return [f"{a},{b}" for a, b in x[:, 1:3]]
-  pa, pb = pairs(plain), pairs(spec)
-  cats = sorted(set(pa) | set(pb))
-  ca = np.array([pa.count(c) for c in cats])
-  cb = np.array([pb.count(c) for c in cats])
-  small = (ca + cb) < 20
-  table = np.stack([np.r_[ca[~small], ca[small].sum()], np.r_[cb[~small], cb[small].sum()]])
-  table = table[:, table.sum(0) > 0]
-  assert table.shape[1] >= 5, "too few categories for a meaningful test"
-  _, pvalue, _, _ = sstats.chi2_contingency(table)
+  pairs = lambda x: [f"{a},{b}" for a, b in x[:, 1:3]]
+  pvalue, n_cats, table = homogeneity(pairs(plain), pairs(spec))
+  assert n_cats >= 5, "too few categories for a meaningful test"
   assert pvalue > 1e-4, (pvalue, table)
 
 

@@ -122,7 +122,7 @@ class Decoder:
     results: list[Completion | None] = [None] * len(requests)
     sampled = np.zeros((b,), bool)
     free = list(range(b))[::-1]
-    finished: list[tuple[int, list[int], int]] = []     # rows done, not yet handed over
+    finished: list[tuple] = []    # (request, tokens, steps, latency) of rows not handed over
     cancel = np.zeros((b,), bool)
 
     def fill(state):

@@ -43,7 +43,6 @@ class Item:
   line: int
   id: object
   request: Request | None = None
-  stop: tuple = ()
   error: str | None = None
   form: str = "plain"         # 'plain' or 'openai' (then id is the custom_id)
 
@@ -159,7 +158,7 @@ def parse_line(raw: bytes, line_no: int, defaults: Defaults, tokenizer, max_prom
   ids = tokenizer.encode(prompt)
   if len(ids) > max_prompt:
     return err(f"prompt: {len(ids)} tokens, longer than the {max_prompt} the context allows")
-  return Item(line_no, rid, Request(ids, stop=tuple(stop), **params), tuple(stop), form=form)
+  return Item(line_no, rid, Request(ids, stop=tuple(stop), **params), form=form)
 
 
 def load_done(path: str) -> set:

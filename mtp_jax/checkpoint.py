@@ -71,14 +71,18 @@ def _cast(params, dtype):
 
 
 def save_model_dir(path: str, cfg: config_lib.Config, params, tokenizer: Tokenizer,
-                   dtype: str = "float32"):
-  """Writes a complete model directory; an existing one at `path` is replaced."""
+                   dtype: str = "float32", hf_config: dict | None = None):
+  """Writes a complete model directory; an existing one at `path` is replaced. `hf_config` (an
+  imported model's HF config.json) is kept in config.json so the trunk can be exported back."""
   path = os.path.abspath(path)
   tmp = path + ".tmp"
   shutil.rmtree(tmp, ignore_errors=True)
   os.makedirs(tmp)
+  meta = dict(config_lib.model_dir_config(cfg), tokenizer=tokenizer.special_tokens())
+  if hf_config:
+    meta["hf_config"] = hf_config
   with open(os.path.join(tmp, "config.json"), "w") as f:
-    json.dump(config_lib.model_dir_config(cfg), f, indent=2)
+    json.dump(meta, f, indent=2)
   tokenizer.save(os.path.join(tmp, "tokenizer.json"))
   ckptr = ocp.StandardCheckpointer()
   ckptr.save(os.path.join(tmp, "params"), _cast(params, jnp.dtype(dtype)))
@@ -102,10 +106,7 @@ def load_model_dir(path: str):
       model_cfg, heads_cfg = config_lib.load_model_dir_config(f.read(), cfg_path)
   except config_lib.ConfigError as e:
     raise ModelDirError(f"{cfg_path}: {e}") from None
-  try:
-    tokenizer = Tokenizer.load(os.path.join(path, "tokenizer.json"))
-  except ValueError as e:
-    raise ModelDirError(str(e)) from None
+  tokenizer = load_tokenizer(path)
   if tokenizer.vocab_size > model_cfg.vocab_size:
     raise ModelDirError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but "
                         f"model.vocab_size={model_cfg.vocab_size}")
@@ -120,6 +121,27 @@ def load_model_dir(path: str):
   pd = jnp.dtype(model_cfg.param_dtype)
   params = jax.tree.map(lambda e, x: jnp.asarray(x, pd), expected, _conform(expected, restored))
   return model_cfg, heads_cfg, params, tokenizer
+
+
+def read_meta(path: str) -> dict:
+  """The sections of a model directory's config.json besides model and heads: `tokenizer`
+  (special tokens) and, for imported models, `hf_config`."""
+  cfg_path = os.path.join(os.path.abspath(path), "config.json")
+  try:
+    with open(cfg_path) as f:
+      d = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ModelDirError(f"{cfg_path}: cannot be read ({e})") from None
+  return {k: v for k, v in d.items() if k not in ("model", "heads")}
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+  """The tokenizer of a model directory, with the special tokens its config.json names."""
+  special = read_meta(path).get("tokenizer", {})
+  try:
+    return Tokenizer.load(os.path.join(os.path.abspath(path), "tokenizer.json"), **special)
+  except (ValueError, TypeError) as e:
+    raise ModelDirError(f"{os.path.abspath(path)}: {e}") from None
 
 
 def check_params_match(expected, actual, where: str):

@@ -33,6 +33,7 @@ def _positive(obj, *names):
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +48,26 @@ class ModelConfig:
   d_ff: int = 192
   max_seq_len: int = 256
   rope_theta: float = 10000.0
+  # RoPE frequency scaling of long-context checkpoints (the HF `rope_parameters` kinds):
+  # 'none', 'linear' (factor), 'llama3' (factor, low/high_freq_factor, original_max_len),
+  # 'yarn' (factor, original_max_len, beta_fast/slow, attention_factor, truncate).
+  rope_scaling: str = "none"
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_len: int = 0
+  rope_beta_fast: float = 32.0
+  rope_beta_slow: float = 1.0
+  rope_attention_factor: float = 1.0  # yarn: multiplies cos and sin
+  rope_truncate: bool = True
   norm_eps: float = 1e-6
   tie_embeddings: bool = True
+  # Tied logits are scaled by d_model**-0.5 (natively trained models); imported checkpoints
+  # use the embedding matrix as it is.
+  tied_logits_scale: bool = True
+  head_size: int = 0                # per-head width; 0 = d_model / n_heads
+  qkv_bias: bool = False            # biases on the q, k, v projections (Qwen2)
+  out_bias: bool = False            # bias on the attention output projection
   # Storage dtype of parameters; 'auto' compute dtype means f32 on CPU, bf16 elsewhere.
   param_dtype: str = "float32"
   dtype: str = "auto"
@@ -56,15 +75,28 @@ class ModelConfig:
   def __post_init__(self):
     _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
               "max_seq_len")
-    if self.d_model % self.n_heads:
+    if self.head_size < 0:
+      _fail("model.head_size", self.head_size, "must be >= 0 (0 = d_model / n_heads)")
+    if not self.head_size and self.d_model % self.n_heads:
       _fail("model.n_heads", self.n_heads, f"must divide model.d_model={self.d_model}")
     if self.n_heads % self.n_kv_heads:
       _fail("model.n_kv_heads", self.n_kv_heads, f"must divide model.n_heads={self.n_heads}")
-    if (self.d_model // self.n_heads) % 2:
-      _fail("model.n_heads", self.n_heads,
-            f"head dim d_model/n_heads={self.d_model // self.n_heads} must be even for RoPE")
+    if self.head_dim % 2:
+      _fail("model.head_size" if self.head_size else "model.n_heads",
+            self.head_size or self.n_heads, f"head dim {self.head_dim} must be even for RoPE")
     if not self.rope_theta > 0:
       _fail("model.rope_theta", self.rope_theta, "must be > 0")
+    if self.rope_scaling not in ROPE_SCALINGS:
+      _fail("model.rope_scaling", self.rope_scaling, f"must be one of {ROPE_SCALINGS}")
+    if self.rope_scaling != "none" and not self.rope_factor >= 1.0:
+      _fail("model.rope_factor", self.rope_factor, "must be >= 1")
+    if self.rope_scaling in ("llama3", "yarn") and self.rope_original_max_len < 1:
+      _fail("model.rope_original_max_len", self.rope_original_max_len,
+            f"must be >= 1 with model.rope_scaling={self.rope_scaling!r}")
+    if self.rope_scaling == "llama3" and not (
+        0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
+      _fail("model.rope_low_freq_factor", self.rope_low_freq_factor,
+            f"must be > 0 and < model.rope_high_freq_factor={self.rope_high_freq_factor}")
     if not 0 < self.norm_eps < 1:
       _fail("model.norm_eps", self.norm_eps, "must be in (0, 1)")
     if self.param_dtype not in DTYPES:
@@ -74,7 +106,7 @@ class ModelConfig:
 
   @property
   def head_dim(self) -> int:
-    return self.d_model // self.n_heads
+    return self.head_size or self.d_model // self.n_heads
 
 
 HEAD_KINDS = ("parallel", "sequential")

@@ -10,8 +10,11 @@ and rebuild the module inside the traced function with `bind(graphdef, params)`.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mtp_jax import cache as kv
@@ -40,12 +43,48 @@ class RMSNorm(nnx.Module):
     return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x_BTnH, positions_BT, theta: float):
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+  """Inverse frequencies [H/2] of the rotary embedding, with the config's scaling (the formulas
+  of the HF `rope_parameters` kinds, so that imported checkpoints see the same angles)."""
+  h = cfg.head_dim
+  inv = 1.0 / cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float32) / h)
+  kind, factor = cfg.rope_scaling, cfg.rope_factor
+  if kind == "linear":
+    inv = inv / factor
+  elif kind == "llama3":
+    old = cfg.rope_original_max_len
+    low_wavelen, high_wavelen = old / cfg.rope_low_freq_factor, old / cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old / wavelen - cfg.rope_low_freq_factor) / (
+        cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    inv = np.where(medium, smoothed, scaled)
+  elif kind == "yarn":
+    def correction_dim(rotations):
+      return h * math.log(cfg.rope_original_max_len / (rotations * 2 * math.pi)) / (
+          2 * math.log(cfg.rope_theta))
+    low, high = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+      low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, h - 1)
+    if low == high:
+      high += 0.001
+    ramp = np.clip((np.arange(h // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolate = 1 - ramp
+    inv = (inv / factor) * (1 - extrapolate) + inv * extrapolate
+  return inv.astype(np.float32)
+
+
+def rope(x_BTnH, positions_BT, cfg: ModelConfig):
   """Rotary embedding (rotate-half form), computed in f32."""
-  h = x_BTnH.shape[-1]
-  freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)
+  freq = jnp.asarray(rope_frequencies(cfg))
   angle_BTh = positions_BT[..., None].astype(jnp.float32) * freq
   sin, cos = jnp.sin(angle_BTh)[:, :, None, :], jnp.cos(angle_BTh)[:, :, None, :]
+  if cfg.rope_scaling == "yarn":
+    sin, cos = sin * cfg.rope_attention_factor, cos * cfg.rope_attention_factor
+  h = x_BTnH.shape[-1]
   x = x_BTnH.astype(jnp.float32)
   x1, x2 = x[..., : h // 2], x[..., h // 2:]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -62,13 +101,23 @@ class Attention(nnx.Module):
     self.wv_DGH = nnx.Param(_init(d ** -0.5)(rngs.params(), (d, g, h), pd))
     self.wo_NHD = nnx.Param(_init((n * h) ** -0.5 / (2 * cfg.n_layers) ** 0.5)(
         rngs.params(), (n, h, d), pd))
+    if cfg.qkv_bias:
+      self.bq_NH = nnx.Param(jnp.zeros((n, h), pd))
+      self.bk_GH = nnx.Param(jnp.zeros((g, h), pd))
+      self.bv_GH = nnx.Param(jnp.zeros((g, h), pd))
+    if cfg.out_bias:
+      self.bo_D = nnx.Param(jnp.zeros((d,), pd))
 
   def __call__(self, x_BTD, pos_BT, cache_kv=None):
     cfg, dt = self.cfg, x_BTD.dtype
     q = jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq_DNH[...].astype(dt))
     k = jnp.einsum("BTD,DGH->BTGH", x_BTD, self.wk_DGH[...].astype(dt))
     v = jnp.einsum("BTD,DGH->BTGH", x_BTD, self.wv_DGH[...].astype(dt))
-    q, k = rope(q, pos_BT, cfg.rope_theta), rope(k, pos_BT, cfg.rope_theta)
+    if cfg.qkv_bias:
+      q = q + self.bq_NH[...].astype(dt)
+      k = k + self.bk_GH[...].astype(dt)
+      v = v + self.bv_GH[...].astype(dt)
+    q, k = rope(q, pos_BT, cfg), rope(k, pos_BT, cfg)
     if cache_kv is None:
       keys, values, kpos_BS = k, v, pos_BT
     else:
@@ -85,7 +134,10 @@ class Attention(nnx.Module):
     logits = jnp.where(mask_BTS[:, None, None], logits, -1e30)
     probs = jax.nn.softmax(logits, axis=-1).astype(dt)
     out = jnp.einsum("BGRTS,BSGH->BTGRH", probs, values).reshape(b, t, n, h)
-    return jnp.einsum("BTNH,NHD->BTD", out, self.wo_NHD[...].astype(dt)), cache_kv
+    y = jnp.einsum("BTNH,NHD->BTD", out, self.wo_NHD[...].astype(dt))
+    if cfg.out_bias:
+      y = y + self.bo_D[...].astype(dt)
+    return y, cache_kv
 
 
 class MLP(nnx.Module):
@@ -135,9 +187,10 @@ class Trunk(nnx.Module):
     """Logits in f32 for hidden states of any leading shape."""
     h = h_xD.astype(jnp.float32)
     if self.cfg.tie_embeddings:
-      # Tied: scale so that logits start at unit scale although embeddings have unit variance.
-      return jnp.einsum("...D,VD->...V", h, self.embed_VD[...].astype(jnp.float32)) * (
-          self.cfg.d_model ** -0.5)
+      logits = jnp.einsum("...D,VD->...V", h, self.embed_VD[...].astype(jnp.float32))
+      # Native models: scale so that logits start at unit scale although embeddings have unit
+      # variance.
+      return logits * self.cfg.d_model ** -0.5 if self.cfg.tied_logits_scale else logits
     return jnp.einsum("...D,DV->...V", h, self.unembed_DV[...].astype(jnp.float32))
 
   def __call__(self, tokens_BT, pos_BT, cache: kv.KVCache | None = None):

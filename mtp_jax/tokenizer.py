@@ -14,16 +14,24 @@ SPECIAL_TOKENS = (EOD, PAD)
 
 
 class Tokenizer:
-  """A thin wrapper that knows the special tokens the product relies on."""
+  """A thin wrapper that knows the special tokens the product relies on.
 
-  def __init__(self, hf: HFTokenizer, source: str = "<memory>"):
+  `eod_token` ends a document and a generation (an imported model's EOS token); `pad_token`
+  falls back to it when the vocabulary has none."""
+
+  def __init__(self, hf: HFTokenizer, source: str = "<memory>", eod_token: str = EOD,
+               pad_token: str = PAD):
     self.hf = hf
-    self.eod_id = hf.token_to_id(EOD)
-    self.pad_id = hf.token_to_id(PAD)
+    self.eod_token, self.pad_token = eod_token, pad_token
+    self.eod_id = hf.token_to_id(eod_token)
+    self.pad_id = hf.token_to_id(pad_token)
     if self.eod_id is None:
-      raise ValueError(f"{source}: tokenizer has no end-of-document token {EOD!r}")
+      raise ValueError(f"{source}: tokenizer has no end-of-document token {eod_token!r}")
     if self.pad_id is None:
-      self.pad_id = self.eod_id
+      self.pad_token, self.pad_id = eod_token, self.eod_id
+
+  def special_tokens(self) -> dict:
+    return {"eod_token": self.eod_token, "pad_token": self.pad_token}
 
   @property
   def vocab_size(self) -> int:
@@ -42,14 +50,14 @@ class Tokenizer:
     self.hf.save(path)
 
   @classmethod
-  def load(cls, path: str) -> "Tokenizer":
+  def load(cls, path: str, eod_token: str = EOD, pad_token: str = PAD) -> "Tokenizer":
     if not os.path.exists(path):
       raise FileNotFoundError(f"tokenizer file not found: {path}")
     try:
       hf = HFTokenizer.from_file(path)
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON
       raise ValueError(f"{path}: not a valid tokenizer.json ({e})") from None
-    return cls(hf, source=path)
+    return cls(hf, source=path, eod_token=eod_token, pad_token=pad_token)
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:

@@ -31,6 +31,7 @@ from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import data as data_lib
 from mtp_jax import generate as gen_lib
 from mtp_jax import model as model_lib
+from mtp_jax import config as config_lib
 from mtp_jax.config import Config
 from mtp_jax.tokenizer import Tokenizer, train_bpe
 
@@ -274,7 +275,7 @@ def _load_or_train_tokenizer(cfg: Config, workdir: str, train_files: list[str]) 
   path = os.path.join(workdir, "tokenizer.json")
   if cfg.train.init_from or cfg.data.tokenizer:
     src = cfg.data.tokenizer or cfg.train.init_from
-    tok = Tokenizer.load(os.path.join(src, "tokenizer.json"))
+    tok = ckpt_lib.load_tokenizer(src)
   elif os.path.exists(path):
     tok = Tokenizer.load(path)
   else:
@@ -285,6 +286,17 @@ def _load_or_train_tokenizer(cfg: Config, workdir: str, train_files: list[str]) 
                      f"{tok.vocab_size} tokens")
   tok.save(path)
   return tok
+
+
+def init_from_model_section(model_dir: str) -> dict:
+  """The model section of a model directory's config.json, for a run that starts from it."""
+  path = os.path.join(model_dir, "config.json")
+  if not os.path.exists(path):
+    raise ValueError(f"train.init_from={model_dir!r}: no config.json there (not a model directory)")
+  with open(path) as f:
+    text = f.read()
+  mcfg, _ = config_lib.load_model_dir_config(text, path)
+  return dataclasses.asdict(mcfg)
 
 
 def _init_params(cfg: Config):
@@ -444,7 +456,9 @@ def train(cfg: Config, workdir: str, log: Callable[[str], None] = logging.info,
   ckptr.close()
   metrics_file.close()
   params = {**frozen, **trainable}
+  hf_config = (ckpt_lib.read_meta(cfg.train.init_from).get("hf_config")
+               if cfg.train.init_from else None)
   ckpt_lib.save_model_dir(os.path.join(workdir, "model"), cfg, params, tokenizer,
-                          cfg.train.save_dtype)
+                          cfg.train.save_dtype, hf_config=hf_config)
   log(f"model directory written to {os.path.join(workdir, 'model')}")
   return final_eval

@@ -32,6 +32,9 @@ def main(argv):
   if _MODE.value:
     d["train"]["mode"] = _MODE.value
   try:
+    if d["train"].get("init_from"):
+      # The run continues that model: its trunk's config is the run's, whatever the file says.
+      d["model"] = train_lib.init_from_model_section(d["train"]["init_from"])
     cfg = config_lib.Config.from_dict(d)
     result = train_lib.train(cfg, _WORKDIR.value, log=_log)
   except (config_lib.ConfigError, ValueError, FileNotFoundError, train_lib.TrainingDiverged) as e:

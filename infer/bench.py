@@ -14,6 +14,7 @@ import sys
 
 from absl import app, flags, logging
 
+from infer import mesh_flags
 from mtp_jax import benchmark
 from mtp_jax import checkpoint as ckpt_lib
 
@@ -45,6 +46,7 @@ def main(argv):
       raise ValueError(f"--batch_sizes={_BATCH.value}: must be positive")
   except ValueError as e:
     sys.exit(f"mtp-bench: error: {e}")
+  mesh_flags.initialize()
   machine = benchmark.machine_info(_ROOF.value)
   print(", ".join(f"{k}: {v}" for k, v in machine.items()), flush=True)
   print(benchmark.HEADER, flush=True)
@@ -53,7 +55,7 @@ def main(argv):
         _MODEL.value, _MODES.value, sizes, _MAX_NEW.value, _PROMPT.value, _ROUNDS.value,
         _REPEATS.value, _WARMUP.value, _TEMP.value, _PROMPTS.value,
         _DRAFT.value if any(m.startswith("draft:") for m in _MODES.value) else "", machine,
-        log=lambda s: print(s, flush=True))
+        log=lambda s: print(s, flush=True), mesh=mesh_flags.MESH.value)
   except (ckpt_lib.ModelDirError, ValueError) as e:
     sys.exit(f"mtp-bench: error: {e}")
   if _OUT.value:

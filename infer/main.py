@@ -16,9 +16,11 @@ import sys
 import jax
 from absl import app, flags, logging
 
+from infer import mesh_flags
 from mtp_jax import api, batch
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import engine as engine_lib
+from mtp_jax import sharding as sharding_lib
 from mtp_jax.config import ConfigError, DecodeConfig
 
 _MODEL = flags.DEFINE_string("model", None, "A model directory.")
@@ -57,7 +59,9 @@ def _budget_bytes(params) -> int:
   return 2 * 2**30
 
 
-def _slots(mcfg, hcfg, dcfg, params, num_requests: int) -> int:
+def _slots(mcfg, hcfg, dcfg, params, num_requests: int, data: int = 1) -> int:
+  """Explicit --batch_size, or the most slots whose decode state fits the budget (per device;
+  with a mesh, slots spread over its `data` devices, so the budget is `data` times larger)."""
   if _BATCH.value != "auto":
     try:
       n = int(_BATCH.value)
@@ -66,9 +70,10 @@ def _slots(mcfg, hcfg, dcfg, params, num_requests: int) -> int:
     if n < 1:
       raise ValueError(f"--batch_size={_BATCH.value}: must be 'auto' or a positive integer")
     return n
-  fit = engine_lib.max_slots(mcfg, hcfg, dcfg, _budget_bytes(params))
+  fit = engine_lib.max_slots(mcfg, hcfg, dcfg, _budget_bytes(params) * data)
   want = 1 << max(num_requests - 1, 0).bit_length()
-  return max(1, min(fit, want, _MAX_BATCH.value))
+  n = max(1, min(fit, want, _MAX_BATCH.value))
+  return max(data, n // data * data)
 
 
 def main(argv):
@@ -76,6 +81,8 @@ def main(argv):
   if not os.path.isfile(_INPUT.value):
     sys.exit(f"mtp-infer: error: input file not found: {_INPUT.value}")
   try:
+    mesh_flags.initialize()
+    mesh = None if mesh_flags.MESH.value is None else sharding_lib.make_mesh(mesh_flags.MESH.value)
     k = _K.value if _K.value == "auto" else int(_K.value)
     mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(_MODEL.value)
     adaptive = k == "auto"
@@ -85,8 +92,9 @@ def main(argv):
       max_len = min(mcfg.max_seq_len, -(-need // 128) * 128)
     dcfg = DecodeConfig(k=-1 if adaptive else k, max_len=max_len, adaptive=adaptive)
     dcfg = dataclasses.replace(
-        dcfg, batch_size=_slots(mcfg, hcfg, dcfg, params, batch.count_lines(_INPUT.value)))
-    dec = api.Decoder(mcfg, hcfg, params, tok, dcfg, seed=_SEED.value)
+        dcfg, batch_size=_slots(mcfg, hcfg, dcfg, params, batch.count_lines(_INPUT.value),
+                                  1 if mesh is None else mesh.shape["data"]))
+    dec = api.Decoder(mcfg, hcfg, params, tok, dcfg, seed=_SEED.value, mesh=mesh)
   except (ckpt_lib.ModelDirError, ConfigError, ValueError) as e:
     sys.exit(f"mtp-infer: error: {e}")
   log = None if _QUIET.value else (lambda s: print(s, file=sys.stderr, flush=True))

@@ -20,8 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax import checkpoint as ckpt_lib
+from mtp_jax import config as config_lib
 from mtp_jax import engine as engine_lib
 from mtp_jax import ring as ring_lib
+from mtp_jax import sharding as sharding_lib
 from mtp_jax.config import DecodeConfig
 
 
@@ -51,12 +53,18 @@ class Request:
 
 class Decoder:
   def __init__(self, model_cfg, heads_cfg, params, tokenizer, decode_cfg: DecodeConfig,
-               seed: int = 0, draft=None):
-    """draft: (model config, heads config, params) of a draft model, for drafter='model'."""
+               seed: int = 0, draft=None, mesh=None, rules: str = config_lib.DEFAULT_RULES):
+    """draft: (model config, heads config, params) of a draft model, for drafter='model'.
+    mesh: a jax Mesh ('data', 'model') to decode on: params are placed by the logical-axis
+    `rules`, the decode state by slots and KV heads (sharding.py)."""
     self.tokenizer = tokenizer
     self.params = params if draft is None else (params, draft[2])
+    if mesh is not None:
+      parsed = sharding_lib.parse_rules(rules)
+      self.params = jax.device_put(self.params,
+                                   sharding_lib.tree_shardings(self.params, mesh, parsed))
     self.engine = engine_lib.Engine(model_cfg, heads_cfg, decode_cfg, tokenizer.eod_id,
-                                    None if draft is None else draft[:2])
+                                    None if draft is None else draft[:2], mesh=mesh)
     self.seed = seed
     self.last_stats: dict = {}
     self.last_timing: dict = {}
@@ -65,9 +73,10 @@ class Decoder:
   @classmethod
   def load(cls, model_dir: str, batch_size: int = 8, k: int | str = -1, max_len: int = 0,
            ring_size: int = 32, seed: int = 0, draft_dir: str | None = None,
-           **decode_options) -> "Decoder":
+           mesh: str | None = None, **decode_options) -> "Decoder":
     """k: drafts per step (-1 all heads, 0 plain decoding) or 'auto' (adaptive, up to all
     heads). draft_dir: a draft model directory (drafts come from it instead of the heads).
+    mesh: a mesh shape ('data:2,model:4'; '' = every device on 'data'), None = one device.
     decode_options: other DecodeConfig fields (confidence_threshold, drafter, ...)."""
     mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(model_dir)
     draft = None
@@ -81,7 +90,8 @@ class Decoder:
     adaptive = k == "auto"
     dcfg = DecodeConfig(batch_size=batch_size, k=-1 if adaptive else int(k), max_len=max_len,
                         ring_size=ring_size, adaptive=adaptive, **decode_options)
-    return cls(mcfg, hcfg, params, tok, dcfg, seed, draft)
+    return cls(mcfg, hcfg, params, tok, dcfg, seed, draft,
+               mesh=None if mesh is None else sharding_lib.make_mesh(mesh))
 
   def calibrate(self, table_path: str | None = None, force: bool = False) -> list[float]:
     """Cost table of the adaptive controller (see Engine.calibrate)."""

@@ -43,6 +43,7 @@ from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import data as data_lib
 from mtp_jax import engine as engine_lib
 from mtp_jax import model as model_lib
+from mtp_jax import sharding as sharding_lib
 from mtp_jax.config import Config, DataConfig, DecodeConfig, ModelConfig
 
 
@@ -262,8 +263,11 @@ class Result:
 def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: int,
         prompt_tokens: int = 64, rounds: int = 1, repeats: int = 2, warmup: int = 1,
         temperature: float = 0.0, prompts: str = "", draft_model: str = "",
-        machine: dict | None = None, log=print, cost_table: str | None = None) -> list[Result]:
+        machine: dict | None = None, log=print, cost_table: str | None = None,
+        mesh: str | None = None) -> list[Result]:
+  """mesh: a mesh shape ('data:2,model:4') to decode on; None = one device."""
   mcfg, hcfg, params, tok = load_model(model)
+  device_mesh = None if mesh is None else sharding_lib.make_mesh(mesh)
   draft = None
   if any(parse_mode(m)[0] == "model" for m in modes):
     if not draft_model:
@@ -287,7 +291,11 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
       dcfg = DecodeConfig(batch_size=b, k=-1 if k == "auto" else k, ring_size=32,
                           adaptive=k == "auto", max_len=max_len, drafter=drafter)
       dec = api.Decoder(mcfg, hcfg, params, tok, dcfg,
-                        draft=draft if drafter == "model" else None)
+                        draft=draft if drafter == "model" else None, mesh=device_mesh)
+      if device_mesh is not None and b == batch_sizes[0]:
+        log(f"{mode}: mesh {dict(device_mesh.shape)}, per device: params "
+            f"{sharding_lib.bytes_per_device(dec.params) / 2**20:.1f} MiB, decode state "
+            f"{sharding_lib.bytes_per_device(dec.engine.init_state()) / 2**20:.1f} MiB")
       t0 = time.perf_counter()
       if k == "auto":
         dec.calibrate(cost_table)

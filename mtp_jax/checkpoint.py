@@ -67,7 +67,9 @@ def _first_line(e: Exception) -> str:
 
 
 def _cast(params, dtype):
-  return jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
+  # jax arrays stay where they are (sharded saves need no gather onto one host).
+  return jax.tree.map(lambda x: x.astype(dtype) if isinstance(x, jax.Array)
+                      else np.asarray(x).astype(dtype), params)
 
 
 def save_model_dir(path: str, cfg: config_lib.Config, params, tokenizer: Tokenizer,
@@ -91,8 +93,10 @@ def save_model_dir(path: str, cfg: config_lib.Config, params, tokenizer: Tokeniz
   os.replace(tmp, path)
 
 
-def load_model_dir(path: str):
-  """-> (ModelConfig, HeadsConfig, params, Tokenizer). Any problem raises one ModelDirError."""
+def load_model_dir(path: str, shardings=None):
+  """-> (ModelConfig, HeadsConfig, params, Tokenizer). Any problem raises one ModelDirError.
+  `shardings` (a tree of NamedShardings like the params): restore straight onto that mesh, in
+  model.param_dtype; a checkpoint written from any mesh restores onto any other."""
   path = os.path.abspath(path)
   if not os.path.isdir(path):
     raise ModelDirError(f"model directory not found: {path}")
@@ -112,6 +116,8 @@ def load_model_dir(path: str):
                         f"model.vocab_size={model_cfg.vocab_size}")
   _, expected = model_lib.abstract(model_cfg, heads_cfg)
   params_path = os.path.join(path, "params")
+  if shardings is not None:
+    return model_cfg, heads_cfg, _restore_sharded(params_path, expected, shardings, path), tokenizer
   try:
     restored = ocp.StandardCheckpointer().restore(params_path)
   except Exception as e:
@@ -121,6 +127,26 @@ def load_model_dir(path: str):
   pd = jnp.dtype(model_cfg.param_dtype)
   params = jax.tree.map(lambda e, x: jnp.asarray(x, pd), expected, _conform(expected, restored))
   return model_cfg, heads_cfg, params, tokenizer
+
+
+def _restore_sharded(params_path, expected, shardings, where):
+  try:
+    meta = ocp.StandardCheckpointer().metadata(params_path)
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)
+    check_params_match(expected, _conform(expected, tree), where)
+    stored = _conform(expected, tree)
+    # Restore in the stored dtype onto the mesh, then cast there (no host round trip).
+    target = jax.tree.map(lambda e, m, s: jax.ShapeDtypeStruct(e.shape, m.dtype, sharding=s),
+                          expected, stored, shardings)
+    restored = ocp.StandardCheckpointer().restore(params_path, target)
+  except ModelDirError:
+    raise
+  except Exception as e:
+    raise ModelDirError(f"{params_path}: damaged or unreadable checkpoint "
+                        f"({type(e).__name__}: {_first_line(e)})") from None
+  restored = _conform(expected, restored)
+  return jax.tree.map(lambda e, x: x.astype(e.dtype), expected, restored)
 
 
 def read_meta(path: str) -> dict:

@@ -255,12 +255,30 @@ class DecodeConfig:
                                prefill_rows=min(self.prefill_rows, self.batch_size))
 
 
+DEFAULT_RULES = ("batch=data,vocab=model,embed=,mlp=model,heads=model,kv_heads=model,"
+                 "head_dim=,heads_stack=")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """The device mesh ('data', 'model') and the logical-axis -> mesh-axis rules (sharding.py)."""
+  SECTION = "mesh"
+  shape: str = ""                   # 'data:2,model:4'; '' = every device on 'data'
+  rules: str = DEFAULT_RULES        # logical=axis pairs; an empty axis replicates
+
+  def __post_init__(self):
+    from mtp_jax import sharding  # parsing lives with the mesh code
+    sharding.parse_shape(self.shape)
+    sharding.parse_rules(self.rules)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   model: ModelConfig = ModelConfig()
   heads: HeadsConfig = HeadsConfig()
   data: DataConfig = DataConfig()
   train: TrainConfig = TrainConfig()
+  mesh: MeshConfig = MeshConfig()
 
   def __post_init__(self):
     # The trunk runs on seq_len + K positions so that every head has targets.
@@ -290,7 +308,7 @@ class Config:
 
 
 _SECTION_TYPES = {"model": ModelConfig, "heads": HeadsConfig, "data": DataConfig,
-                  "train": TrainConfig}
+                  "train": TrainConfig, "mesh": MeshConfig}
 
 
 def _section_dict(obj) -> dict:

@@ -81,9 +81,12 @@ class Engine:
   """
 
   def __init__(self, model_cfg: ModelConfig, heads_cfg: HeadsConfig, decode_cfg: DecodeConfig,
-               eod_id: int, draft_model: tuple[ModelConfig, HeadsConfig] | None = None):
+               eod_id: int, draft_model: tuple[ModelConfig, HeadsConfig] | None = None,
+               mesh: jax.sharding.Mesh | None = None):
     """draft_model: the (model, heads) configs of the draft model when decode_cfg.drafter is
-    'model'; params are then (target params, draft params)."""
+    'model'; params are then (target params, draft params). mesh: the decode state is sharded
+    on it (slots on 'data', KV heads on 'model'; see sharding.py) and stays so across calls;
+    params are expected on the same mesh (Decoder places them)."""
     self.model_cfg, self.heads_cfg = model_cfg, heads_cfg
     self.cfg = decode_cfg.resolve(model_cfg, heads_cfg)
     self.eod_id = eod_id
@@ -104,16 +107,29 @@ class Engine:
     self.cost_in_seconds = False      # set by calibrate(); only then can runs refine it
     self.needs_conf = self.cfg.adaptive or self.cfg.confidence_threshold > 0
     self.dtype = model_lib.compute_dtype(model_cfg)
+    self.mesh = mesh
+    self.state_sharding = None
+    if mesh is not None:
+      from mtp_jax import sharding as sharding_lib
+      self.state_sharding = sharding_lib.decode_state_shardings(
+          jax.eval_shape(self._init_state_unplaced), mesh, self.cfg.batch_size)
+    out = self.state_sharding
     self._prefill = jax.jit(self._prefill_impl, static_argnames=("sample",))
-    self._insert = jax.jit(self._insert_impl, donate_argnames=("state",))
+    self._insert = jax.jit(self._insert_impl, donate_argnames=("state",), out_shardings=out)
     self._generate = jax.jit(self._generate_impl, static_argnames=("sample",),
-                             donate_argnames=("state",))
+                             donate_argnames=("state",), out_shardings=out)
     self._cancel = jax.jit(lambda state, mask: state.replace(done=state.done | mask),
-                           donate_argnums=0)
+                           donate_argnums=0, out_shardings=out)
 
   # ------------------------------------------------------------------ state
 
   def init_state(self, seed: int = 0) -> DecodeState:
+    state = self._init_state_unplaced(seed)
+    if self.state_sharding is not None:
+      state = jax.device_put(state, self.state_sharding)
+    return state
+
+  def _init_state_unplaced(self, seed: int = 0) -> DecodeState:
     b, s, kd, v = self.cfg.batch_size, self.cfg.max_len, self.kd, self.model_cfg.vocab_size
     return DecodeState(
         tokens=jnp.zeros((b, s), jnp.int32), length=jnp.ones((b,), jnp.int32),

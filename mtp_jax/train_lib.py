@@ -32,6 +32,7 @@ from mtp_jax import data as data_lib
 from mtp_jax import generate as gen_lib
 from mtp_jax import model as model_lib
 from mtp_jax import config as config_lib
+from mtp_jax import sharding as sharding_lib
 from mtp_jax.config import Config
 from mtp_jax.tokenizer import Tokenizer, train_bpe
 
@@ -183,6 +184,8 @@ class Trainer:
   graphdef: object
   tokenizer: Tokenizer
   tx: optax.GradientTransformation
+  mesh: jax.sharding.Mesh | None = None
+  state_shardings: tuple | None = None    # (trainable, opt_state) shardings, kept by the step
 
   def __post_init__(self):
     cfg, gd, eod = self.cfg, self.graphdef, self.tokenizer.eod_id
@@ -205,7 +208,9 @@ class Trainer:
       metrics["grad_norm"] = optax.tree.norm(grads)
       return trainable, opt_state, metrics
 
-    self.train_step = jax.jit(train_step, donate_argnames=("trainable", "opt_state"))
+    out = None if self.state_shardings is None else (*self.state_shardings, None)
+    self.train_step = jax.jit(train_step, donate_argnames=("trainable", "opt_state"),
+                              out_shardings=out)
 
     def eval_step(params, tokens_BW, start):
       m = model_lib.bind(gd, params)
@@ -219,14 +224,20 @@ class Trainer:
     """Corpus prompt + the trunk's own greedy continuation, the same window length."""
     p = self.cfg.train.distill_prompt_len
     b, w = tokens_BW.shape
-    prompt = jnp.asarray(tokens_BW[:, :p])
+    prompt = self.put(np.asarray(tokens_BW)[:, :p])
     return gen_lib.greedy_generate(self.graphdef, params, prompt,
                                    jnp.full((b,), p, jnp.int32), w - p)
 
   def prepare(self, params, tokens_BW):
     if self.cfg.train.mode == "heads_only" and self.cfg.train.distill_source == "generated":
       return self.distill_batch(params, tokens_BW)
-    return jnp.asarray(tokens_BW)
+    return self.put(tokens_BW)
+
+  def put(self, batch):
+    """A global host batch onto the mesh, rows on 'data'."""
+    if self.mesh is None:
+      return jnp.asarray(batch)
+    return sharding_lib.put_batch(np.asarray(batch), self.mesh)
 
   def evaluate(self, params, batches) -> dict:
     """Held-out trunk loss / perplexity, and per-head agreement with the trunk along held-out
@@ -236,7 +247,7 @@ class Trainer:
     p = self.cfg.train.distill_prompt_len
     sums = {}
     for batch in batches:
-      tl, hl, agree_tf, _ = self.eval_step(params, jnp.asarray(batch), 0)
+      tl, hl, agree_tf, _ = self.eval_step(params, self.put(batch), 0)
       gen = self.distill_batch(params, batch)
       _, _, agree_gen, accept_len = self.eval_step(params, gen, p - 1)
       for name, v in (("trunk_loss", tl), ("head_loss", hl), ("agree_tf", agree_tf),
@@ -299,11 +310,17 @@ def init_from_model_section(model_dir: str) -> dict:
   return dataclasses.asdict(mcfg)
 
 
-def _init_params(cfg: Config):
-  graphdef, params = model_lib.split(model_lib.create(cfg.model, cfg.heads, cfg.train.seed))
+def _init_params(cfg: Config, mesh, rules):
+  """Parameters created directly sharded: abstract shapes -> shardings -> jitted init with
+  those out shardings (no full copy on one device first)."""
+  graphdef, abstract = model_lib.abstract(cfg.model, cfg.heads)
+  shardings = sharding_lib.tree_shardings(abstract, mesh, rules)
+  params = jax.jit(lambda: model_lib.split(model_lib.create(cfg.model, cfg.heads,
+                                                            cfg.train.seed))[1],
+                   out_shardings=shardings)()
   if cfg.train.mode != "heads_only":
     return graphdef, params
-  mcfg, hcfg, src, _ = ckpt_lib.load_model_dir(cfg.train.init_from)
+  mcfg, hcfg, src, _ = ckpt_lib.load_model_dir(cfg.train.init_from, shardings=shardings)
   if mcfg != cfg.model:
     raise ValueError(f"train.init_from={cfg.train.init_from!r}: its model config {mcfg} differs "
                      f"from this run's {cfg.model}")
@@ -316,7 +333,8 @@ def _check_run_config(workdir: str, cfg: Config):
   """A workdir belongs to one model: resuming with a different model or data config is refused
   (train fields such as steps may change)."""
   path = os.path.join(workdir, "run_config.json")
-  fixed = {k: v for k, v in cfg.to_dict().items() if k != "train"}
+  # A run may resume on another mesh: the mesh is not part of what a workdir is bound to.
+  fixed = {k: v for k, v in cfg.to_dict().items() if k not in ("train", "mesh")}
   fixed["train.mode"] = cfg.train.mode
   fixed["train.seed"] = cfg.train.seed
   fixed["train.batch_size"] = cfg.train.batch_size
@@ -369,17 +387,26 @@ def train(cfg: Config, workdir: str, log: Callable[[str], None] = logging.info,
   eval_batches = data_lib.heldout_batches(heldout_tokens, cfg.train.batch_size, window,
                                           cfg.train.eval_batches)
 
-  graphdef, params = _init_params(cfg)
+  mesh = sharding_lib.make_mesh(cfg.mesh.shape)
+  rules = sharding_lib.parse_rules(cfg.mesh.rules)
+  if cfg.train.batch_size % mesh.shape["data"]:
+    raise config_lib.ConfigError(f"train.batch_size={cfg.train.batch_size}: must divide over the "
+                                 f"mesh's data={mesh.shape['data']} devices")
+  graphdef, params = _init_params(cfg, mesh, rules)
   tx = make_optimizer(cfg)
-  trainer = Trainer(cfg, graphdef, tokenizer, tx)
   trainable, frozen = split_trainable(params, cfg.train.mode)
-  opt_state = tx.init(trainable)
+  opt_shardings = sharding_lib.tree_shardings(jax.eval_shape(tx.init, trainable), mesh, rules)
+  opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(trainable)
+  trainer = Trainer(cfg, graphdef, tokenizer, tx, mesh,
+                    (jax.tree.map(lambda x: x.sharding, trainable), opt_shardings))
   ckptr = ckpt_lib.TrainCheckpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   step = 0
   latest = ckptr.latest_step()
   if latest is not None:
-    abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
+    # Restored straight onto this run's mesh, whatever mesh wrote the checkpoint.
+    abstract = lambda t: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)
     full, opt_state, data_state = ckptr.restore(latest, abstract({**frozen, **trainable}),
                                                 abstract(opt_state))
     trainable, frozen = split_trainable(full, cfg.train.mode)
@@ -388,14 +415,20 @@ def train(cfg: Config, workdir: str, log: Callable[[str], None] = logging.info,
     _truncate_metrics(metrics_path, latest)
     log(f"resumed from step {latest} in {workdir}")
   n_params = model_lib.count_params(params)
+  if mesh.size > 1:
+    log(f"mesh {dict(mesh.shape)}: params {sharding_lib.bytes_per_device(params) / 2**20:.1f} MiB "
+        f"per device")
+    for line in sharding_lib.describe(mesh, params, rules)[:8]:
+      log("  " + line)
   log(f"model: {n_params / 1e6:.2f}M parameters ({model_lib.count_params(params['heads']) / 1e6:.2f}M "
       f"in {cfg.heads.num} {cfg.heads.kind} heads); mode={cfg.train.mode}; "
       f"{len(train_tokens):,} train / {len(heldout_tokens):,} held-out tokens")
 
   metrics_file = open(metrics_path, "a")
   def write_metrics(rec):
-    metrics_file.write(json.dumps(rec) + "\n")
-    metrics_file.flush()
+    if jax.process_index() == 0:           # one writer when several hosts run the same loop
+      metrics_file.write(json.dumps(rec) + "\n")
+      metrics_file.flush()
 
   tokens_per_step = cfg.train.batch_size * (window - 1)
   pending = None                 # (step, metrics) of the last launched step, read one step late

@@ -1,6 +1,6 @@
 """mtp-train: train a model with MTP heads (joint) or add heads to a frozen trunk (heads_only).
 
-  mtp-train --config=configs/demo.py --workdir=DIR [--config.train.steps=N ...]
+  mtp-train --config=configs/demo.py --workdir=DIR [--config.train.steps=N ...] [--mesh=data:2,model:4]
 
 Rerunning with the same --workdir resumes from its last checkpoint.
 """
@@ -11,6 +11,7 @@ import time
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from infer import mesh_flags
 from mtp_jax import config as config_lib
 from mtp_jax import train_lib
 
@@ -31,7 +32,10 @@ def main(argv):
   d = _CONFIG.value.to_dict()
   if _MODE.value:
     d["train"]["mode"] = _MODE.value
+  if mesh_flags.MESH.value is not None:
+    d["mesh"]["shape"] = mesh_flags.MESH.value
   try:
+    mesh_flags.initialize()
     if d["train"].get("init_from"):
       # The run continues that model: its trunk's config is the run's, whatever the file says.
       d["model"] = train_lib.init_from_model_section(d["train"]["init_from"])

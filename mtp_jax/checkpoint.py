@@ -116,17 +116,11 @@ def load_model_dir(path: str, shardings=None):
                         f"model.vocab_size={model_cfg.vocab_size}")
   _, expected = model_lib.abstract(model_cfg, heads_cfg)
   params_path = os.path.join(path, "params")
-  if shardings is not None:
-    return model_cfg, heads_cfg, _restore_sharded(params_path, expected, shardings, path), tokenizer
-  try:
-    restored = ocp.StandardCheckpointer().restore(params_path)
-  except Exception as e:
-    raise ModelDirError(f"{params_path}: damaged or unreadable checkpoint "
-                        f"({type(e).__name__}: {_first_line(e)})") from None
-  check_params_match(expected, restored, path)
-  pd = jnp.dtype(model_cfg.param_dtype)
-  params = jax.tree.map(lambda e, x: jnp.asarray(x, pd), expected, _conform(expected, restored))
-  return model_cfg, heads_cfg, params, tokenizer
+  if shardings is None:
+    # One device, whatever mesh wrote the checkpoint (its saved shardings are not reused).
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: device, expected)
+  return model_cfg, heads_cfg, _restore_sharded(params_path, expected, shardings, path), tokenizer
 
 
 def _restore_sharded(params_path, expected, shardings, where):

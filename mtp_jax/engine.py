@@ -125,9 +125,10 @@ class Engine:
 
   def init_state(self, seed: int = 0) -> DecodeState:
     state = self._init_state_unplaced(seed)
-    if self.state_sharding is not None:
-      state = jax.device_put(state, self.state_sharding)
-    return state
+    # Committed to its devices like every state the compiled calls return, so that a fresh
+    # state and a returned one hit the same compiled executables.
+    return jax.device_put(state, self.state_sharding if self.state_sharding is not None
+                          else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
 
   def _init_state_unplaced(self, seed: int = 0) -> DecodeState:
     b, s, kd, v = self.cfg.batch_size, self.cfg.max_len, self.kd, self.model_cfg.vocab_size
@@ -188,9 +189,12 @@ class Engine:
     for n in sorted({1, self.cfg.prefill_rows}):
       for p in buckets:
         for t in (0.0, 1.0):
-          prefix = self.prefill(params, [[0] * p] * n, jax.random.key(0), [t] * n, [0] * n,
+          # The same argument kinds as serving: one key per row, per-row lists.
+          keys = jnp.stack([jax.random.key(0)] * n)
+          prefix = self.prefill(params, [[0] * p] * n, keys, [t] * n, [0] * n, [1.0] * n,
                                 [1.0] * n)
-          state = self.insert(prefix, state, list(range(n)), [2] * n, t, 0, 1.0)
+          state = self.insert(prefix, state, list(range(n)), [2] * n, [t] * n, [0] * n,
+                              [1.0] * n, [1.0] * n)
     for sample in (False, True):
       state = self.generate(params, state, 1, sample=sample)
     state = self.cancel(state, np.zeros((self.cfg.batch_size,), bool))

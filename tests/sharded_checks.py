@@ -71,13 +71,20 @@ def train_steps(workdir):
 
 
 def decode_and_restore(workdir):
-  """A short tiny run trained on data:2 x model:4 writes its model directory; it restores onto
-  8 x 1 (and one device) and greedy speculative decoding gives the same tokens everywhere."""
+  """A short tiny run trained on data:2 x model:4 resumes on 8 x 1 and writes its model directory;
+  that restores onto 8 x 1, 2 x 4, 1 x 8 and one device, and greedy speculative decoding gives
+  the same tokens everywhere."""
   out = os.path.join(workdir, "mesh_run")
   cfg = config_lib.Config.from_dict({**_cfg(steps=4, checkpoint_every=2, eval_every=4,
                                             log_every=2).to_dict(),
                                      "mesh": {"shape": "data:2,model:4"}})
   train_lib.train(cfg, out, log=lambda s: None)
+  # The training checkpoint (step 4, written on 2 x 4) resumes on 8 x 1 for two more steps.
+  resumed = []
+  more = config_lib.Config.from_dict({**_cfg(steps=6, checkpoint_every=2, eval_every=6,
+                                             log_every=2).to_dict(), "mesh": {"shape": "data:8"}})
+  train_lib.train(more, out, log=resumed.append)
+  assert any("resumed from step 4" in line for line in resumed), resumed
   model_dir = os.path.join(out, "model")
   mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(model_dir)
   reqs = [api.Request(tok.encode(p), n) for p, n in zip(PROMPTS, [30, 7, 25, 40, 18, 12, 33, 20])]

@@ -143,6 +143,18 @@ def _restore_sharded(params_path, expected, shardings, where):
   return jax.tree.map(lambda e, x: x.astype(e.dtype), expected, restored)
 
 
+def read_model_config(path: str):
+  """-> (ModelConfig, HeadsConfig) of a model directory, without reading its parameters."""
+  cfg_path = os.path.join(os.path.abspath(path), "config.json")
+  if not os.path.exists(cfg_path):
+    raise ModelDirError(f"{os.path.abspath(path)}: missing config.json (not a model directory)")
+  try:
+    with open(cfg_path) as f:
+      return config_lib.load_model_dir_config(f.read(), cfg_path)
+  except config_lib.ConfigError as e:
+    raise ModelDirError(f"{cfg_path}: {e}") from None
+
+
 def read_meta(path: str) -> dict:
   """The sections of a model directory's config.json besides model and heads: `tokenizer`
   (special tokens) and, for imported models, `hf_config`."""

@@ -114,7 +114,11 @@ HEAD_KINDS = ("parallel", "sequential")
 
 @dataclasses.dataclass(frozen=True)
 class HeadsConfig:
-  """Multi-token-prediction heads: head i (1..K) predicts token t+1+i from h_t."""
+  """Multi-token-prediction heads: head i (1..K) predicts token t+1+i from h_t.
+
+  'parallel': K independent residual blocks on h_t. 'sequential' (DeepSeek-V3 MTP modules):
+  module i combines module i-1's hidden state with the embedding of token t+i and runs one
+  transformer block, so each draft sees the drafts before it."""
   SECTION = "heads"
   kind: str = "parallel"
   num: int = 3
@@ -122,8 +126,6 @@ class HeadsConfig:
   def __post_init__(self):
     if self.kind not in HEAD_KINDS:
       _fail("heads.kind", self.kind, f"must be one of {HEAD_KINDS}")
-    if self.kind == "sequential":
-      _fail("heads.kind", self.kind, "sequential heads are not implemented yet; use 'parallel'")
     _positive(self, "num")
 
 
@@ -224,6 +226,7 @@ class DecodeConfig:
   probe_every: int = 4              # adaptive: every n-th plain segment drafts at its last step
   prefill_rows: int = 8             # prompts prefilled per call when several slots are free
   drafter: str = "heads"            # heads (MTP) | ngram (prompt lookup) | model (a draft model)
+  reuse_module: bool = False        # sequential heads: draft k tokens with module 1 applied k times
   ngram_n: int = 2                  # ngram: the suffix length looked up in the row's history
 
   def __post_init__(self):
@@ -247,8 +250,12 @@ class DecodeConfig:
     if max_len > model.max_seq_len:
       _fail("decode.max_len", self.max_len, f"must be <= model.max_seq_len={model.max_seq_len}")
     k = heads.num if self.k == -1 else self.k
-    if k > heads.num and self.drafter == "heads":
-      _fail("decode.k", self.k, f"must be <= heads.num={heads.num}")
+    if self.reuse_module and (heads.kind != "sequential" or self.drafter != "heads"):
+      _fail("decode.reuse_module", True, "needs sequential heads (heads.kind='sequential') "
+            "drafting (decode.drafter='heads')")
+    if k > heads.num and self.drafter == "heads" and not self.reuse_module:
+      _fail("decode.k", self.k, f"must be <= heads.num={heads.num}"
+            + (" (or set decode.reuse_module)" if heads.kind == "sequential" else ""))
     if max_len <= k + 1:
       _fail("decode.max_len", max_len, f"must be > k + 1 = {k + 1}")
     return dataclasses.replace(self, max_len=max_len, k=k,

@@ -41,7 +41,10 @@ class DecodeState:
   draft_logq: jax.Array    # [B, Kd, V] the heads' processed log-probabilities of those drafts
   draft_conf: jax.Array    # [B, Kd] the heads' confidence (peak probability) per draft
   cache: kv.KVCache
-  draft_cache: kv.KVCache | None  # the draft model's cache (drafter 'model'), else None
+  draft_cache: kv.KVCache | None  # the draft model's cache (drafter 'model'), or the
+                                  # sequential heads' caches (one layer per module), else None
+  seq_h: jax.Array | None  # [B, M, D] sequential heads: module i's hidden state at its last
+                           # position whose input token is committed (None otherwise)
   key: jax.Array           # [B] one PRNG key per row (a row's stream ignores the other rows)
   temperature: jax.Array   # [B] f32, 0 = greedy
   top_k: jax.Array         # [B] int32, 0 = off
@@ -64,6 +67,8 @@ class Prefix:
   length: jax.Array        # [n] true prompt lengths
   cache: kv.KVCache        # [n, P, G, H] per layer
   draft_cache: kv.KVCache | None   # [n, P + Kd + 1, ...] the draft model's (drafter 'model')
+                                   # or the sequential heads' caches
+  seq_h: jax.Array | None          # [n, M, D] sequential heads (see DecodeState)
   first: jax.Array         # [n] the first generated token
   drafts: jax.Array        # [n, Kd]
   draft_logq: jax.Array    # [n, Kd, V]
@@ -101,6 +106,9 @@ class Engine:
                          f"target's {model_cfg.vocab_size}")
       self.draft_graphdef, _ = model_lib.abstract(*draft_model)
     self.kd = self.cfg.k
+    # Sequential heads draft through their own modules, each with a KV cache in the state.
+    self.seq = heads_cfg.kind == "sequential" and self.drafter == "heads" and self.kd > 0
+    self.n_mod = (1 if self.cfg.reuse_module else self.kd) if self.seq else 0
     # Seconds per step for k = 0..Kd; until calibrated, equal costs (the controller then only
     # weighs expected tokens).
     self.cost = [1.0] * (self.kd + 1)
@@ -139,7 +147,10 @@ class Engine:
         draft_logq=jnp.zeros((b, kd, v), jnp.float32), draft_conf=jnp.zeros((b, kd), jnp.float32),
         cache=kv.init_cache(self.model_cfg, b, s, self.dtype),
         draft_cache=(kv.init_cache(self.draft_cfg[0], b, s, self.dtype)
-                     if self.drafter == "model" else None),
+                     if self.drafter == "model" else
+                     self._seq_cache(b, s + kd + 1) if self.seq else None),
+        seq_h=(jnp.zeros((b, self.n_mod, self.model_cfg.d_model), self.dtype) if self.seq
+               else None),
         key=jax.random.split(jax.random.key(seed), b),
         temperature=jnp.zeros((b,), jnp.float32), top_k=jnp.zeros((b,), jnp.int32),
         top_p=jnp.ones((b,), jnp.float32), penalty=jnp.ones((b,), jnp.float32),
@@ -200,6 +211,78 @@ class Engine:
     state = self.cancel(state, np.zeros((self.cfg.batch_size,), bool))
     jax.block_until_ready(state)
     return len(buckets)
+
+  def _seq_cache(self, b: int, s: int) -> kv.KVCache:
+    """One cache layer per sequential module, indexed by the position of the module's input
+    token (module i at trunk position t sits at t + i)."""
+    return kv.init_cache(dataclasses.replace(self.model_cfg, n_layers=self.n_mod), b, s,
+                         self.dtype)
+
+  def _module(self, m, i: int):
+    return m.heads.modules[0 if self.cfg.reuse_module else i]
+
+  def _seq_update(self, m, h_BWD, tokens_BS, start_B, last_B, cache, seq_h, n_upd: int,
+                  active_B=None):
+    """Brings the modules' caches up to date after tokens were committed: module i (1-based)
+    runs the window of input-token positions start .. start+W-1 (its trunk positions minus i),
+    fed by module i-1's outputs on the same positions (module i-1's window is one position
+    later, so its first entry comes from seq_h) and the committed tokens there. Entries past
+    the committed length are overwritten once their tokens are known and never read before.
+    seq_h[i] <- module i's output at window index last_B (its last committed position)."""
+    b, w, _ = h_BWD.shape
+    s = tokens_BS.shape[1]
+    u = start_B[:, None] + jnp.arange(w)[None]
+    e = m.trunk.embed(jnp.take_along_axis(tokens_BS, jnp.clip(u, 0, s - 1), axis=1))
+    ks, vs, new_h, h_in, h_prev = list(cache.k), list(cache.v), seq_h, h_BWD, h_BWD
+    rows = jnp.arange(b)
+    for i in range(n_upd):
+      if i > 0:
+        h_in = jnp.concatenate([seq_h[:, i - 1][:, None], h_prev[:, : w - 1]], axis=1)
+      h_prev, _, (ks[i], vs[i]) = self._module(m, i)(h_in, e, u, (ks[i], vs[i]),
+                                                     key_min=i + 1)
+      h_i = h_prev[rows, last_B]
+      if active_B is not None:
+        h_i = jnp.where(active_B[:, None], h_i, seq_h[:, i])
+      new_h = new_h.at[:, i].set(h_i.astype(new_h.dtype))
+    return kv.KVCache(k=tuple(ks), v=tuple(vs)), new_h
+
+  def _draft_seq(self, m, seq_h, length_B, cache, key, sp, presence_BV, sample: bool):
+    """Drafts k tokens after a committed length L: draft 1 from module 1's output at its last
+    committed position (seq_h[0], trunk position L-2); draft j from module j (or module 1 again
+    with reuse_module) at input position L-2+j, fed the previous draft and the previous module's
+    state. Its attention skips the module's entries not yet known to be right (past L-1), except
+    with reuse_module, where the chain itself wrote them."""
+    b, v = seq_h.shape[0], self.model_cfg.vocab_size
+    subs = sampling.split_rows(key, self.kd) if sample else None
+    ks, vs = list(cache.k), list(cache.v)
+    h = seq_h[:, 0]
+    hn = self._module(m, 0).out_norm(h)
+    drafts, logqs, confs = [], [], []
+    limit = None if self.cfg.reuse_module else length_B - 1
+    for j in range(self.kd):
+      if j > 0:
+        layer = 0 if self.cfg.reuse_module else j
+        u = (length_B - 1 + j)[:, None]
+        e = m.trunk.embed(drafts[-1][:, None])
+        hh, hn, (ks[layer], vs[layer]) = self._module(m, j)(
+            h[:, None], e, u, (ks[layer], vs[layer]), limit, key_min=layer + 1)
+        h, hn = hh[:, 0], hn[:, 0]
+      logits = m.logits(hn)
+      if sample:
+        logq = sampling.process_logits(logits, *sp, presence_BV)
+        d = sampling.sample(subs[:, j], logq)
+        presence_BV = presence_BV.at[jnp.arange(b), d].set(True)
+        conf = jnp.exp(jnp.max(logq, -1))
+      else:
+        logq = jnp.zeros((b, v), jnp.float32)
+        d = jnp.argmax(logits, -1).astype(jnp.int32)
+        conf = (jnp.max(jax.nn.softmax(logits.astype(jnp.float32), -1), -1) if self.needs_conf
+                else jnp.zeros((b,), jnp.float32))
+      drafts.append(d)
+      logqs.append(logq)
+      confs.append(conf)
+    return (jnp.stack(drafts, 1), jnp.stack(logqs, 1), jnp.stack(confs, 1),
+            kv.KVCache(k=tuple(ks), v=tuple(vs)))
 
   def _bind(self, params):
     """-> (target model, draft model or None)."""
@@ -331,13 +414,32 @@ class Engine:
     else:
       first = jnp.argmax(logits, -1).astype(jnp.int32)
     hist = None
-    if self.drafter != "heads":   # ngram and the draft model read the tokens, first included
+    if self.drafter != "heads" or self.seq:   # these drafters read the tokens, first included
       hist = jnp.zeros((n, p + self.kd + 1), jnp.int32).at[:, :p].set(tokens_NP)
       hist = hist.at[jnp.arange(n), length_N].set(first)
-    drafts, logq, conf, dcache = self._draft_from(m, dm, h_last, hist, length_N + 1, dcache,
-                                                  k_draft, sp, presence, sample)
-    return Prefix(tokens=tokens_NP, length=length_N, cache=cache, draft_cache=dcache, first=first,
-                  drafts=drafts, draft_logq=logq, draft_conf=conf, key=key)
+    seq_h = None
+    if self.seq:
+      # Every module over the whole prompt (trunk positions 0..P-1, input positions i..P-1+i);
+      # module i's last committed trunk position is L-1-i = length - i.
+      dcache = self._seq_cache(n, p + self.kd + 1)
+      seq_h = jnp.zeros((n, self.n_mod, self.model_cfg.d_model), self.dtype)
+      ks, vs, hp = list(dcache.k), list(dcache.v), h
+      pos = jnp.arange(p)[None]
+      for i in range(self.n_mod):
+        u = jnp.broadcast_to(pos + i + 1, (n, p))
+        e = m.trunk.embed(hist[:, i + 1: i + 1 + p])
+        hp, _, (ks[i], vs[i]) = self._module(m, i)(hp, e, u, (ks[i], vs[i]), key_min=i + 1)
+        at = jnp.maximum(length_N - i - 1, 0)
+        seq_h = seq_h.at[:, i].set(hp[jnp.arange(n), at].astype(seq_h.dtype))
+      dcache = kv.KVCache(k=tuple(ks), v=tuple(vs))
+      drafts, logq, conf, dcache = self._draft_seq(m, seq_h, length_N + 1, dcache, k_draft, sp,
+                                                   presence, sample)
+    else:
+      drafts, logq, conf, dcache = self._draft_from(m, dm, h_last, hist, length_N + 1, dcache,
+                                                    k_draft, sp, presence, sample)
+    return Prefix(tokens=tokens_NP, length=length_N, cache=cache, draft_cache=dcache,
+                  seq_h=seq_h, first=first, drafts=drafts, draft_logq=logq, draft_conf=conf,
+                  key=key)
 
   def prefill(self, params, prompts: list[list[int]], key, temperature, top_k, top_p,
               penalty=None) -> Prefix:
@@ -387,6 +489,7 @@ class Engine:
         draft_logq=state.draft_logq.at[slots].set(prefix.draft_logq),
         draft_conf=state.draft_conf.at[slots].set(prefix.draft_conf),
         cache=put(state.cache, prefix.cache), draft_cache=dcache,
+        seq_h=None if state.seq_h is None else state.seq_h.at[slots].set(prefix.seq_h),
         key=state.key.at[slots].set(prefix.key),
         temperature=state.temperature.at[slots].set(temperature),
         top_k=state.top_k.at[slots].set(top_k), top_p=state.top_p.at[slots].set(top_p),
@@ -455,8 +558,16 @@ class Engine:
       b = length.shape[0]
       emitted = jnp.arange(k + 1)[None] < n_emit[:, None]
       new_pres = base.at[jnp.arange(b)[:, None], out].max(emitted)
-    dcache = state.draft_cache
-    if draft:
+    dcache, seq_h = state.draft_cache, state.seq_h
+    if draft and self.seq:
+      # The modules' caches take the committed tokens (this step's accepted positions), in the
+      # same compiled step, then the modules draft in sequence.
+      n_upd = min(k, self.n_mod) if k > 0 else 0
+      if n_upd:
+        dcache, seq_h = self._seq_update(m, h, tokens, length, n, dcache, seq_h, n_upd, active)
+      new_drafts, logq, conf, dcache = self._draft_seq(m, seq_h, new_length, dcache, k_draft, sp,
+                                                       new_pres, sample)
+    elif draft:
       new_drafts, logq, conf, dcache = self._draft_from(m, dm, h_last, tokens, new_length, dcache,
                                                         k_draft, sp, new_pres, sample)
     else:
@@ -472,7 +583,8 @@ class Engine:
                            k, n_active)
     return state.replace(
         tokens=tokens, length=new_length, done=done, drafts=new_drafts, draft_logq=logq,
-        draft_conf=conf, cache=cache, draft_cache=dcache, key=key, ring=ring, step=state.step + 1,
+        draft_conf=conf, cache=cache, draft_cache=dcache, seq_h=seq_h, key=key, ring=ring,
+        step=state.step + 1,
         row_steps=state.row_steps + active.astype(jnp.int32),
         row_emitted=state.row_emitted + n_emit, drafted=drafted, accepted=accepted)
 

@@ -108,7 +108,10 @@ class Attention(nnx.Module):
     if cfg.out_bias:
       self.bo_D = nnx.Param(jnp.zeros((d,), pd))
 
-  def __call__(self, x_BTD, pos_BT, cache_kv=None):
+  def __call__(self, x_BTD, pos_BT, cache_kv=None, key_limit_B=None, key_min: int = 0):
+    """key_limit_B (with a cache): keys past this position are not attended to, except the
+    query's own (the sequential heads' drafting skips entries not yet known to be right);
+    key_min: cache positions below it hold nothing (a sequential module's first input)."""
     cfg, dt = self.cfg, x_BTD.dtype
     q = jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq_DNH[...].astype(dt))
     k = jnp.einsum("BTD,DGH->BTGH", x_BTD, self.wk_DGH[...].astype(dt))
@@ -131,6 +134,11 @@ class Attention(nnx.Module):
     q_BTGRH = q.reshape(b, t, g, n // g, h)
     logits = jnp.einsum("BTGRH,BSGH->BGRTS", q_BTGRH, keys).astype(jnp.float32) * h ** -0.5
     mask_BTS = kpos_BS[:, None, :] <= pos_BT[:, :, None]
+    if key_limit_B is not None:
+      mask_BTS &= ((kpos_BS[:, None, :] <= key_limit_B[:, None, None])
+                   | (kpos_BS[:, None, :] == pos_BT[:, :, None]))
+    if key_min:
+      mask_BTS &= kpos_BS[:, None, :] >= key_min
     logits = jnp.where(mask_BTS[:, None, None], logits, -1e30)
     probs = jax.nn.softmax(logits, axis=-1).astype(dt)
     out = jnp.einsum("BGRTS,BSGH->BTGRH", probs, values).reshape(b, t, n, h)
@@ -163,8 +171,8 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x_BTD, pos_BT, cache_kv=None):
-    y, cache_kv = self.attn(self.attn_norm(x_BTD), pos_BT, cache_kv)
+  def __call__(self, x_BTD, pos_BT, cache_kv=None, key_limit_B=None, key_min: int = 0):
+    y, cache_kv = self.attn(self.attn_norm(x_BTD), pos_BT, cache_kv, key_limit_B, key_min)
     x_BTD = x_BTD + y
     return x_BTD + self.mlp(self.mlp_norm(x_BTD)), cache_kv
 
@@ -221,13 +229,17 @@ class MTPModel(nnx.Module):
   def logits(self, h_xD):
     return self.trunk.unembed(h_xD)
 
-  def head_hidden(self, h_BTD):
-    """Hidden states of all K heads, [B, T, K, D]."""
+  def head_hidden(self, h_BTD, tokens_BW=None):
+    """Hidden states of all K heads, [B, T, K, D]. Sequential heads also read the tokens:
+    tokens_BW[:, t + i] is module i's input at position t (W >= T + 1; missing ones are
+    padded, so mask targets past the window)."""
+    if self.heads_cfg.kind == "sequential":
+      return self.heads(h_BTD, tokens_BW, self.trunk.embed)
     return self.heads(h_BTD)
 
-  def head_logits(self, h_BTD):
+  def head_logits(self, h_BTD, tokens_BW=None):
     """Logits of all K heads, [B, T, K, V]: one unembedding matmul for all heads."""
-    return self.trunk.unembed(self.heads(h_BTD))
+    return self.trunk.unembed(self.head_hidden(h_BTD, tokens_BW))
 
 
 def create(cfg: ModelConfig, heads_cfg: HeadsConfig, seed: int = 0) -> MTPModel:

@@ -101,7 +101,10 @@ def compute_losses(m: model_lib.MTPModel, tokens_BW, eod_id: int, mode: str,
   trunk_logits = m.logits(h_BTD)
   trunk_loss = jnp.mean(_xent(trunk_logits, tokens_BW[:, 1:]))
   head_tgt, head_mask = head_targets(tokens_BW, k, eod_id)
-  hh_BTKD = m.head_hidden(h_BTD[:, ::head_stride])
+  if m.heads_cfg.kind == "sequential":   # modules attend along the sequence: run it whole
+    hh_BTKD = m.head_hidden(h_BTD, tokens_BW)[:, ::head_stride]
+  else:
+    hh_BTKD = m.head_hidden(h_BTD[:, ::head_stride])
   head_tgt, head_mask = head_tgt[:, ::head_stride], head_mask[:, ::head_stride]
 
   teacher = None
@@ -141,7 +144,7 @@ def agreement(m: model_lib.MTPModel, tokens_BW, eod_id: int, start: int = 0):
   k = m.heads_cfg.num
   h_BTD, _ = m(x_BT, jnp.broadcast_to(jnp.arange(t), (b, t)))
   trunk_pred = jnp.argmax(m.logits(h_BTD), -1)
-  head_pred = jnp.argmax(m.head_logits(h_BTD), -1)                # [B, T, K]
+  head_pred = jnp.argmax(m.head_logits(h_BTD, tokens_BW), -1)     # [B, T, K]
   _, mask = head_targets(tokens_BW, k, eod_id)
   mask = mask * (jnp.arange(t) >= start)[None, :, None]
   agree = jnp.stack([head_pred[..., i - 1] == shift_along(trunk_pred, i)
@@ -320,7 +323,10 @@ def _init_params(cfg: Config, mesh, rules):
                    out_shardings=shardings)()
   if cfg.train.mode != "heads_only":
     return graphdef, params
-  mcfg, hcfg, src, _ = ckpt_lib.load_model_dir(cfg.train.init_from, shardings=shardings)
+  # Restored onto the mesh with the source's own layout (its heads may differ from this run's).
+  src_m, src_h = ckpt_lib.read_model_config(cfg.train.init_from)
+  src_shardings = sharding_lib.tree_shardings(model_lib.abstract(src_m, src_h)[1], mesh, rules)
+  mcfg, hcfg, src, _ = ckpt_lib.load_model_dir(cfg.train.init_from, shardings=src_shardings)
   if mcfg != cfg.model:
     raise ValueError(f"train.init_from={cfg.train.init_from!r}: its model config {mcfg} differs "
                      f"from this run's {cfg.model}")

@@ -128,8 +128,8 @@ def _restore_sharded(params_path, expected, shardings, where):
     meta = ocp.StandardCheckpointer().metadata(params_path)
     tree = getattr(meta, "item_metadata", meta)
     tree = getattr(tree, "tree", tree)
-    check_params_match(expected, _conform(expected, tree), where)
     stored = _conform(expected, tree)
+    check_params_match(expected, stored, where)
     # Restore in the stored dtype onto the mesh, then cast there (no host round trip).
     target = jax.tree.map(lambda e, m, s: jax.ShapeDtypeStruct(e.shape, m.dtype, sharding=s),
                           expected, stored, shardings)

@@ -252,7 +252,6 @@ class Engine:
     with reuse_module) at input position L-2+j, fed the previous draft and the previous module's
     state. Its attention skips the module's entries not yet known to be right (past L-1), except
     with reuse_module, where the chain itself wrote them."""
-    b, v = seq_h.shape[0], self.model_cfg.vocab_size
     subs = sampling.split_rows(key, self.kd) if sample else None
     ks, vs = list(cache.k), list(cache.v)
     h = seq_h[:, 0]
@@ -267,17 +266,7 @@ class Engine:
         hh, hn, (ks[layer], vs[layer]) = self._module(m, j)(
             h[:, None], e, u, (ks[layer], vs[layer]), limit, key_min=layer + 1)
         h, hn = hh[:, 0], hn[:, 0]
-      logits = m.logits(hn)
-      if sample:
-        logq = sampling.process_logits(logits, *sp, presence_BV)
-        d = sampling.sample(subs[:, j], logq)
-        presence_BV = presence_BV.at[jnp.arange(b), d].set(True)
-        conf = jnp.exp(jnp.max(logq, -1))
-      else:
-        logq = jnp.zeros((b, v), jnp.float32)
-        d = jnp.argmax(logits, -1).astype(jnp.int32)
-        conf = (jnp.max(jax.nn.softmax(logits.astype(jnp.float32), -1), -1) if self.needs_conf
-                else jnp.zeros((b,), jnp.float32))
+      d, logq, conf, presence_BV = self._pick(m.logits(hn), subs, j, sp, presence_BV, sample)
       drafts.append(d)
       logqs.append(logq)
       confs.append(conf)
@@ -326,11 +315,24 @@ class Engine:
             if sample else jnp.zeros((b, kd, v), jnp.float32))
     return drafts, logq, conf
 
+  def _pick(self, logits_BV, subs, i: int, sp, presence_BV, sample: bool):
+    """One draft of an autoregressive drafter (draft model, sequential heads) from its logits:
+    sampled from the processed distribution (the drafts so far join the penalty's history),
+    or the argmax. -> (draft, logq (zeros when greedy), confidence, presence)."""
+    b, v = logits_BV.shape
+    if sample:
+      logq = sampling.process_logits(logits_BV, *sp, presence_BV)
+      d = sampling.sample(subs[:, i], logq)
+      return d, logq, jnp.exp(jnp.max(logq, -1)), presence_BV.at[jnp.arange(b), d].set(True)
+    conf = (jnp.max(jax.nn.softmax(logits_BV.astype(jnp.float32), -1), -1) if self.needs_conf
+            else jnp.zeros((b,), jnp.float32))
+    return (jnp.argmax(logits_BV, -1).astype(jnp.int32), jnp.zeros((b, v), jnp.float32), conf,
+            presence_BV)
+
   def _draft_model(self, dm, tokens_BS, length_B, cache, key, sp, presence_BV, sample: bool):
     """Classic speculative decoding's drafter: the draft model (its own KV cache) runs the last
     two committed tokens (positions L-2, L-1: the one before may be a draft it never saw), then
     one token per further draft."""
-    b, v = tokens_BS.shape[0], self.model_cfg.vocab_size
     pos = (length_B - 2)[:, None] + jnp.arange(2)[None]
     inp = jnp.take_along_axis(tokens_BS, pos, axis=1)
     h, cache = dm(inp, pos, cache)
@@ -338,16 +340,7 @@ class Engine:
     subs = sampling.split_rows(key, self.kd)
     drafts, logqs, confs = [], [], []
     for i in range(self.kd):
-      if sample:
-        logq = sampling.process_logits(logits, *sp, presence_BV)
-        d = sampling.sample(subs[:, i], logq)
-        presence_BV = presence_BV.at[jnp.arange(b), d].set(True)
-        conf = jnp.exp(jnp.max(logq, -1))
-      else:
-        logq = jnp.zeros((b, v), jnp.float32)
-        d = jnp.argmax(logits, -1).astype(jnp.int32)
-        conf = (jnp.max(jax.nn.softmax(logits.astype(jnp.float32), -1), -1) if self.needs_conf
-                else jnp.zeros((b,), jnp.float32))
+      d, logq, conf, presence_BV = self._pick(logits, subs, i, sp, presence_BV, sample)
       drafts.append(d)
       logqs.append(logq)
       confs.append(conf)

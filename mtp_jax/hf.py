@@ -223,13 +223,9 @@ def _names(mcfg: ModelConfig, with_lm_head: bool):
 
 
 def _from_hf(x: np.ndarray, kind: str, shape: tuple) -> np.ndarray:
-  if kind == "T":
-    return x.T
-  if kind == "in":      # [N*H, D] -> [D, N, H]
-    return x.T.reshape(shape)
-  if kind == "out":     # [D, N*H] -> [N, H, D]
-    return x.T.reshape(shape)
-  return x.reshape(shape)
+  """HF [out, in] matrices are transposed (and split into heads: 'in' [N*H, D] -> [D, N, H],
+  'out' [D, N*H] -> [N, H, D]); vectors keep their values."""
+  return (x.T if kind in ("T", "in", "out") else x).reshape(shape)
 
 
 def _to_hf(x: np.ndarray, kind: str) -> np.ndarray:
@@ -320,11 +316,9 @@ def _empty_like(tree):
   return None
 
 
-def _eod_token(hf_dir: str, hf: dict, tok_path: str, override: str) -> str:
+def _eod_token(hf_dir: str, hf: dict, raw, override: str) -> str:
   if override:
     return override
-  from tokenizers import Tokenizer as HFTokenizer
-  raw = HFTokenizer.from_file(tok_path)
   eos, source = hf.get("eos_token_id"), "config.json"
   gen = os.path.join(hf_dir, "generation_config.json")
   if eos is None and os.path.exists(gen):
@@ -350,9 +344,13 @@ def import_model(hf_dir: str, out_dir: str, heads_cfg: HeadsConfig, max_seq_len:
     raise HFImportError(f"{hf_dir}: missing tokenizer.json (the fast-tokenizer file; "
                         "transformers writes it with tokenizer.save_pretrained)")
   try:
-    tok = Tokenizer.load(tok_path, eod_token=_eod_token(hf_dir, hf, tok_path, eod_token))
+    from tokenizers import Tokenizer as HFTokenizer
+    raw = HFTokenizer.from_file(tok_path)
+    tok = Tokenizer(raw, tok_path, eod_token=_eod_token(hf_dir, hf, raw, eod_token))
   except ValueError as e:
     raise HFImportError(str(e)) from None
+  except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+    raise HFImportError(f"{tok_path}: not a valid tokenizer.json ({e})") from None
   if tok.vocab_size > mcfg.vocab_size:
     _fail("vocab_size", mcfg.vocab_size, f"is smaller than tokenizer.json's {tok.vocab_size}")
   trunk = trunk_params_from_hf(read_safetensors(hf_dir), mcfg, hf_dir)

@@ -8,6 +8,8 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+import dataclasses  # noqa: E402
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -15,6 +17,7 @@ from configs import tiny  # noqa: E402
 from mtp_jax import api  # noqa: E402
 from mtp_jax import checkpoint as ckpt_lib  # noqa: E402
 from mtp_jax import config as config_lib  # noqa: E402
+from mtp_jax import model as model_lib  # noqa: E402
 from mtp_jax import sharding as S  # noqa: E402
 from mtp_jax import train_lib  # noqa: E402
 from mtp_jax.config import DecodeConfig  # noqa: E402
@@ -89,13 +92,13 @@ def decode_and_restore(workdir):
   mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(model_dir)
   reqs = [api.Request(tok.encode(p), n) for p, n in zip(PROMPTS, [30, 7, 25, 40, 18, 12, 33, 20])]
   dcfg = DecodeConfig(batch_size=8, ring_size=8, k=3)
-  plain = api.Decoder(mcfg, hcfg, params, tok, dataclasses_replace(dcfg, k=0)).run(reqs)
+  plain = api.Decoder(mcfg, hcfg, params, tok, dataclasses.replace(dcfg, k=0)).run(reqs)
   one = api.Decoder(mcfg, hcfg, params, tok, dcfg).run(reqs)
   assert [c.token_ids for c in one] == [c.token_ids for c in plain]
   for spec in ("data:8", "data:2,model:4", "model:8"):
     mesh = S.make_mesh(spec)
     rules = S.parse_rules(config_lib.DEFAULT_RULES)
-    _, abstract = __import__("mtp_jax.model", fromlist=["x"]).abstract(mcfg, hcfg)
+    _, abstract = model_lib.abstract(mcfg, hcfg)
     _, _, sharded, _ = ckpt_lib.load_model_dir(model_dir,
                                               shardings=S.tree_shardings(abstract, mesh, rules))
     for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(params)):
@@ -106,11 +109,6 @@ def decode_and_restore(workdir):
     cache_k = dec.engine.state_sharding.cache.k[0]
     print(f"{spec}: {sum(len(c.token_ids) for c in got)} tokens identical; cache sharding "
           f"{cache_k.spec}; acceptance {dec.last_stats['acceptance_length']:.2f}")
-
-
-def dataclasses_replace(obj, **kw):
-  import dataclasses
-  return dataclasses.replace(obj, **kw)
 
 
 if __name__ == "__main__":

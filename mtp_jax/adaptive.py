@@ -8,8 +8,15 @@ and stops paying when the batch makes it compute bound. The controller picks
 where c(k) is the measured time of one step with k drafts at the engine's slot count (the cost
 table) and E[emitted | k] = 1 + sum_{j<=k} prod_{i<=j} alpha_{row,i}. The per-row acceptance
 estimate alpha blends the windowed per-position conditional acceptance rate read from the ring
-with the head's own confidence in this step's first draft (see row_alpha); with a confidence
-threshold a row's chain is cut at its first doubtful draft. k = 0 is plain decoding.
+with the head's own confidence in this step's first draft and the row's own window rate (see
+row_alpha); with a confidence threshold a row's chain is cut at its first doubtful draft. k = 0 is
+plain decoding.
+
+Once no request waits for a slot (the host says so: DecodeState.closed), tokens per second of the
+whole batch no longer matter, only when its last row finishes: the controller then minimises
+max over active rows of remaining_i / E_i[emitted | k] * c(k) (choose_k_to_finish). Otherwise
+rows that draft well would finish early and leave their slots idle while the rows that draft
+badly, at the same cost per step, set the end of the job.
 """
 
 from __future__ import annotations
@@ -28,9 +35,9 @@ from mtp_jax import ring as ring_lib
 PRIOR_TRIALS = 16.0   # trials after which the windowed rate outweighs the confidences
 
 
-def window_rates(ring: ring_lib.Ring, step, window: int, k_max: int):
-  """Per draft position i: the conditional acceptance rate P(accept i | reached i) over the last
-  `window` steps, and the number of trials. -> (rate [K], trials [K])."""
+def row_window(ring: ring_lib.Ring, step, window: int, k_max: int):
+  """Per row and draft position i, over the last `window` steps: how often the row reached
+  position i (trials) and how often it was accepted there (hits). -> (hits, trials) [B, K]."""
   r = ring.capacity
   age = (step - 1 - jnp.arange(r)) % r              # 0 = the newest record
   valid = (age < jnp.minimum(window, step))[:, None]                       # [R, 1]
@@ -38,18 +45,26 @@ def window_rates(ring: ring_lib.Ring, step, window: int, k_max: int):
   verified, accepted = ring.verified[..., None], ring.accepted[..., None]  # [R, B, 1]
   trials = valid[..., None] & (verified > pos) & (accepted >= pos)
   hits = trials & (accepted > pos)
-  n_trials = jnp.sum(trials, (0, 1)).astype(jnp.float32)
-  n_hits = jnp.sum(hits, (0, 1)).astype(jnp.float32)
+  return jnp.sum(hits, 0).astype(jnp.float32), jnp.sum(trials, 0).astype(jnp.float32)
+
+
+def window_rates(ring: ring_lib.Ring, step, window: int, k_max: int):
+  """Per draft position i: the conditional acceptance rate P(accept i | reached i) over the last
+  `window` steps, and the number of trials. -> (rate [K], trials [K])."""
+  hits, trials = row_window(ring, step, window, k_max)
+  n_hits, n_trials = jnp.sum(hits, 0), jnp.sum(trials, 0)
   return n_hits / jnp.maximum(n_trials, 1.0), n_trials
 
 
-def row_alpha(rate_K, trials_K, conf_BK, cut_B):
+def row_alpha(rate_K, trials_K, conf_BK, cut_B, row_hits_BK=None, row_trials_BK=None):
   """Per row and position, the estimated acceptance probability (0 past the row's cut).
 
   Each position blends its windowed rate with a prior, by the number of trials it had: the
   prior of position 1 is the head's confidence in this step's draft, that of a later position is
   the estimate of the position before it (so a position never tried yet is expected to do as
-  well as the last one tried, and gets tried when that pays).
+  well as the last one tried, and gets tried when that pays). With the row's own window counts,
+  that estimate is in turn the prior of the row's own rate (rows differ: some text is easier to
+  draft than other).
   """
   lam = trials_K / (trials_K + PRIOR_TRIALS)
   cols, prior = [], conf_BK[:, 0]
@@ -58,20 +73,35 @@ def row_alpha(rate_K, trials_K, conf_BK, cut_B):
     cols.append(a)
     prior = a
   alpha = jnp.stack(cols, 1)
+  if row_hits_BK is not None:
+    alpha = (row_hits_BK + PRIOR_TRIALS * alpha) / (row_trials_BK + PRIOR_TRIALS)
   pos = jnp.arange(conf_BK.shape[1])[None]
   return jnp.where(pos < cut_B[:, None], jnp.clip(alpha, 0.0, 1.0), 0.0)
 
 
+def row_expected(alpha_BK):
+  """-> [B, K+1]: per row, E[emitted tokens | k drafts], k = 0..K."""
+  run = jnp.cumprod(alpha_BK, axis=1)                                      # P(first j accepted)
+  return 1.0 + jnp.concatenate([jnp.zeros_like(run[:, :1]), jnp.cumsum(run, axis=1)], axis=1)
+
+
 def expected_emitted(alpha_BK, active_B):
   """-> [K+1]: sum over active rows of E[emitted tokens | k drafts], k = 0..K."""
-  run = jnp.cumprod(alpha_BK, axis=1)                                      # P(first j accepted)
-  e = 1.0 + jnp.concatenate([jnp.zeros_like(run[:, :1]), jnp.cumsum(run, axis=1)], axis=1)
-  return jnp.sum(jnp.where(active_B[:, None], e, 0.0), axis=0)
+  return jnp.sum(jnp.where(active_B[:, None], row_expected(alpha_BK), 0.0), axis=0)
 
 
 def choose_k(cost_K1, expected_K1):
   """argmax_k expected[k] / cost[k]; ties go to the smaller k."""
   return jnp.argmax(expected_K1 / cost_K1).astype(jnp.int32)
+
+
+def choose_k_to_finish(cost_K1, alpha_BK, active_B, remaining_B):
+  """When no request waits for a slot, throughput no longer counts, only when the last row
+  finishes: the k that minimises max over active rows of remaining_i / E_i[emitted | k] * c(k).
+  (A row that drafts well finishing early frees a slot nobody takes, while every step still
+  costs c(k) for all slots.) Ties go to the smaller k."""
+  t = remaining_B[:, None].astype(jnp.float32) / row_expected(alpha_BK) * cost_K1[None]
+  return jnp.argmin(jnp.max(jnp.where(active_B[:, None], t, 0.0), axis=0)).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------- the cost table
@@ -125,9 +155,23 @@ def save_table(path: str, key: str, cost: list[float]):
   os.replace(tmp, path)
 
 
-def measure_costs(engine, params, repeats: int = 3, steps: int = 16) -> list[float]:
+def monotone(cost: list[float]) -> list[float]:
+  """The closest non-decreasing sequence (pool adjacent violators): a step never costs less
+  with more drafts, so a measured dip is noise, and averaging it with its neighbour keeps the
+  controller from skipping over a k that merely measured high."""
+  blocks = []                                     # [mean, count]
+  for c in cost:
+    blocks.append([c, 1])
+    while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+      (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
+      blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+  return [m for m, n in blocks for _ in range(n)]
+
+
+def measure_costs(engine, params, repeats: int = 5, steps: int = 32) -> list[float]:
   """Seconds per step with k = 0..K_max drafts, every slot active: warm, `steps` steps per
-  run, the k interleaved run by run (so that a noisy machine slows all alike), median."""
+  run, the k interleaved run by run (so that a noisy machine slows all alike), median, made
+  non-decreasing in k (see monotone)."""
   b = engine.cfg.batch_size
   rng = np.random.default_rng(0)
   times = [[] for _ in range(engine.kd + 1)]
@@ -145,4 +189,4 @@ def measure_costs(engine, params, repeats: int = 3, steps: int = 16) -> list[flo
       dt = time.perf_counter() - t0
       if rep:
         times[k].append(dt / max(ran, 1))
-  return [float(np.median(t)) for t in times]
+  return monotone([float(np.median(t)) for t in times])

@@ -68,7 +68,6 @@ class Decoder:
     self.seed = seed
     self.last_stats: dict = {}
     self.last_timing: dict = {}
-    self.learn_costs = True      # adaptive k: refine the cost table from measured chunks
 
   @classmethod
   def load(cls, model_dir: str, batch_size: int = 8, k: int | str = -1, max_len: int = 0,
@@ -180,14 +179,7 @@ class Decoder:
     def finish_drain():
       t0 = time.perf_counter()
       records = drain.finish()
-      now = time.perf_counter()
-      wait[0] += now - t0
-      # Chunks run in order: this one started when it was dispatched or when the one before it
-      # ended, whichever is later, and it has ended by now.
-      started = max(dispatched.pop(0), last_end[0])
-      last_end[0] = now
-      if eng.cfg.adaptive and self.learn_costs:
-        learned[0] |= self._learn_cost(records[2], now - started)
+      wait[0] += time.perf_counter() - t0
       return records
 
     def collect(records):
@@ -216,20 +208,17 @@ class Decoder:
     # While requests wait, a finished row is refilled right after its chunk, so the host reads
     # each chunk before launching the next. Once the queue is empty nothing needs refilling: the
     # next chunk is launched first and the previous one drained while the device runs it.
-    dispatched: list[float] = []      # dispatch times of chunks not drained yet
-    last_end = [0.0]
-    learned = [False]                 # the cost table changed: send it to the device
     state = fill(state)
+    closed = None           # adaptive k: no request waits, so only the end of the job counts
     while any(r >= 0 for r in slot_req):
       if cancel.any():
         state = eng.cancel(state, cancel)
         cancel[:] = False
-      if learned[0]:
-        state = state.replace(cost=jnp.asarray(eng.cost, jnp.float32))
-        learned[0] = False
+      if eng.cfg.adaptive and closed != (not queue):
+        closed = not queue
+        state = state.replace(closed=jnp.asarray(closed))
       sample = bool(np.any(sampled & (np.asarray(slot_req) >= 0)))
       state = eng.generate(self.params, state, sample=sample)
-      dispatched.append(time.perf_counter())
       hand_over()                       # detokenise and write while the chunk runs
       if drain.pending:
         collect(finish_drain())
@@ -243,23 +232,6 @@ class Decoder:
     self.last_stats = engine_lib.stats(state)
     self.last_timing = {"wall_s": time.perf_counter() - t_start, "wait_s": wait[0]}
     return results
-
-  def _learn_cost(self, k_used, seconds: float, min_steps: int = 8, share: float = 0.75,
-                  weight: float = 0.3) -> bool:
-    """Adaptive k: folds a drained chunk's measured seconds per step into the cost of the k it
-    mostly ran (EMA), so the controller weighs what steps cost in this very run (all rows,
-    drafting, this load) rather than only the start-up table. -> whether the table changed."""
-    n = len(k_used)
-    if not self.engine.cost_in_seconds or n < min_steps or seconds <= 0:
-      return False
-    ks, counts = np.unique(np.asarray(k_used), return_counts=True)
-    if counts.max() < share * n:
-      return False
-    k = int(ks[np.argmax(counts)])
-    cost = list(self.engine.cost)
-    cost[k] = (1 - weight) * cost[k] + weight * seconds / n
-    self.engine.cost = cost
-    return True
 
   def _finish(self, req: Request, ids: list[int], steps: int) -> Completion:
     eod = self.tokenizer.eod_id

@@ -39,7 +39,10 @@ class DecodeState:
   done: jax.Array          # [B] bool (free slots are done)
   drafts: jax.Array        # [B, Kd] drafts for the next step
   draft_logq: jax.Array    # [B, Kd, V] the heads' processed log-probabilities of those drafts
+                           # (written by sampled steps; greedy steps leave it as it is)
   draft_conf: jax.Array    # [B, Kd] the heads' confidence (peak probability) per draft
+  n_fresh: jax.Array       # [B] drafts made for the coming step (later ones are stale: a step
+                           # of the adaptive loop drafts only what the next step may verify)
   cache: kv.KVCache
   draft_cache: kv.KVCache | None  # the draft model's cache (drafter 'model'), or the
                                   # sequential heads' caches (one layer per module), else None
@@ -58,6 +61,8 @@ class DecodeState:
   accepted: jax.Array      # [Kd] drafts accepted, per draft position
   cost: jax.Array          # [Kd+1] seconds per step with k drafts (adaptive k)
   k_force: jax.Array       # [] -1: the controller chooses k; else this k (calibration)
+  closed: jax.Array        # [] bool: no request waits for a slot (the controller then aims at
+                           # the end of the job rather than tokens per second; see adaptive.py)
 
 
 @struct.dataclass
@@ -112,7 +117,6 @@ class Engine:
     # Seconds per step for k = 0..Kd; until calibrated, equal costs (the controller then only
     # weighs expected tokens).
     self.cost = [1.0] * (self.kd + 1)
-    self.cost_in_seconds = False      # set by calibrate(); only then can runs refine it
     self.needs_conf = self.cfg.adaptive or self.cfg.confidence_threshold > 0
     self.dtype = model_lib.compute_dtype(model_cfg)
     self.mesh = mesh
@@ -145,6 +149,7 @@ class Engine:
         prompt_len=jnp.ones((b,), jnp.int32), stop_len=jnp.ones((b,), jnp.int32),
         done=jnp.ones((b,), bool), drafts=jnp.zeros((b, kd), jnp.int32),
         draft_logq=jnp.zeros((b, kd, v), jnp.float32), draft_conf=jnp.zeros((b, kd), jnp.float32),
+        n_fresh=jnp.zeros((b,), jnp.int32),
         cache=kv.init_cache(self.model_cfg, b, s, self.dtype),
         draft_cache=(kv.init_cache(self.draft_cfg[0], b, s, self.dtype)
                      if self.drafter == "model" else
@@ -157,7 +162,8 @@ class Engine:
         ring=ring_lib.init_ring(self.cfg.ring_size, b, kd), step=jnp.zeros((), jnp.int32),
         row_steps=jnp.zeros((b,), jnp.int32), row_emitted=jnp.zeros((b,), jnp.int32),
         drafted=jnp.zeros((kd,), jnp.int32), accepted=jnp.zeros((kd,), jnp.int32),
-        cost=jnp.asarray(self.cost, jnp.float32), k_force=jnp.asarray(-1, jnp.int32))
+        cost=jnp.asarray(self.cost, jnp.float32), k_force=jnp.asarray(-1, jnp.int32),
+        closed=jnp.asarray(False))
 
   def bucket(self, n: int) -> int:
     """The prefill bucket (a power of two >= min_bucket, at most max_len - k - 1) for n tokens."""
@@ -180,7 +186,6 @@ class Engine:
       cost = adaptive.measure_costs(self, params)
       adaptive.save_table(path, key, cost)
     self.cost = cost
-    self.cost_in_seconds = True
     return cost
 
   def buckets(self, max_prompt_len: int | None = None) -> list[int]:
@@ -246,19 +251,21 @@ class Engine:
       new_h = new_h.at[:, i].set(h_i.astype(new_h.dtype))
     return kv.KVCache(k=tuple(ks), v=tuple(vs)), new_h
 
-  def _draft_seq(self, m, seq_h, length_B, cache, key, sp, presence_BV, sample: bool):
+  def _draft_seq(self, m, seq_h, length_B, cache, key, sp, presence_BV, sample: bool,
+                 n: int | None = None):
     """Drafts k tokens after a committed length L: draft 1 from module 1's output at its last
     committed position (seq_h[0], trunk position L-2); draft j from module j (or module 1 again
     with reuse_module) at input position L-2+j, fed the previous draft and the previous module's
     state. Its attention skips the module's entries not yet known to be right (past L-1), except
-    with reuse_module, where the chain itself wrote them."""
+    with reuse_module, where the chain itself wrote them. n: drafts to make (default Kd)."""
+    n = self.kd if n is None else n
     subs = sampling.split_rows(key, self.kd) if sample else None
     ks, vs = list(cache.k), list(cache.v)
     h = seq_h[:, 0]
     hn = self._module(m, 0).out_norm(h)
     drafts, logqs, confs = [], [], []
     limit = None if self.cfg.reuse_module else length_B - 1
-    for j in range(self.kd):
+    for j in range(n):
       if j > 0:
         layer = 0 if self.cfg.reuse_module else j
         u = (length_B - 1 + j)[:, None]
@@ -266,7 +273,8 @@ class Engine:
         hh, hn, (ks[layer], vs[layer]) = self._module(m, j)(
             h[:, None], e, u, (ks[layer], vs[layer]), limit, key_min=layer + 1)
         h, hn = hh[:, 0], hn[:, 0]
-      d, logq, conf, presence_BV = self._pick(m.logits(hn), subs, j, sp, presence_BV, sample)
+      d, logq, conf, presence_BV = self._pick(m.logits(hn), subs, j, sp, presence_BV, sample,
+                                              j < self._conf_cols(n))
       drafts.append(d)
       logqs.append(logq)
       confs.append(conf)
@@ -283,14 +291,17 @@ class Engine:
   # ------------------------------------------------------------------ drafting
 
   def _draft_from(self, m, dm, h_BD, tokens_BS, length_B, draft_cache, key, sp, presence_BV,
-                  sample: bool):
-    """Drafts for the next step from the configured drafter; the row's committed tokens are
-    tokens_BS[:, :length_B]. -> (drafts, logq, conf, draft_cache)."""
+                  sample: bool, n: int | None = None):
+    """n (default Kd) drafts for the next step from the configured drafter (prompt lookup
+    always makes Kd: they cost nothing); the row's committed tokens are tokens_BS[:, :length_B].
+    -> (drafts [B, n], logq, conf, draft_cache)."""
+    n = self.kd if n is None else n
     if self.drafter == "heads" or self.kd == 0:
-      return self._draft(m, h_BD, key, sp, presence_BV, sample) + (draft_cache,)
+      return self._draft(m, h_BD, key, sp, presence_BV, sample, n) + (draft_cache,)
     if self.drafter == "ngram":
       return self._draft_ngram(tokens_BS, length_B, sample) + (draft_cache,)
-    return self._draft_model(dm, tokens_BS, length_B, draft_cache, key, sp, presence_BV, sample)
+    return self._draft_model(dm, tokens_BS, length_B, draft_cache, key, sp, presence_BV, sample,
+                             n)
 
   def _draft_ngram(self, tokens_BS, length_B, sample: bool):
     """Prompt lookup: find the latest earlier occurrence of the row's last n tokens in its
@@ -315,7 +326,14 @@ class Engine:
             if sample else jnp.zeros((b, kd, v), jnp.float32))
     return drafts, logq, conf
 
-  def _pick(self, logits_BV, subs, i: int, sp, presence_BV, sample: bool):
+  def _conf_cols(self, n: int) -> int:
+    """How many of n drafts need a confidence: all of them for the threshold's cut; only the
+    first for the controller alone (it reads later positions off the ring); none otherwise."""
+    if self.cfg.confidence_threshold > 0:
+      return n
+    return min(n, 1) if self.needs_conf else 0
+
+  def _pick(self, logits_BV, subs, i: int, sp, presence_BV, sample: bool, want_conf: bool):
     """One draft of an autoregressive drafter (draft model, sequential heads) from its logits:
     sampled from the processed distribution (the drafts so far join the penalty's history),
     or the argmax. -> (draft, logq (zeros when greedy), confidence, presence)."""
@@ -324,12 +342,13 @@ class Engine:
       logq = sampling.process_logits(logits_BV, *sp, presence_BV)
       d = sampling.sample(subs[:, i], logq)
       return d, logq, jnp.exp(jnp.max(logq, -1)), presence_BV.at[jnp.arange(b), d].set(True)
-    conf = (jnp.max(jax.nn.softmax(logits_BV.astype(jnp.float32), -1), -1) if self.needs_conf
+    conf = (jnp.max(jax.nn.softmax(logits_BV.astype(jnp.float32), -1), -1) if want_conf
             else jnp.zeros((b,), jnp.float32))
     return (jnp.argmax(logits_BV, -1).astype(jnp.int32), jnp.zeros((b, v), jnp.float32), conf,
             presence_BV)
 
-  def _draft_model(self, dm, tokens_BS, length_B, cache, key, sp, presence_BV, sample: bool):
+  def _draft_model(self, dm, tokens_BS, length_B, cache, key, sp, presence_BV, sample: bool,
+                   n: int):
     """Classic speculative decoding's drafter: the draft model (its own KV cache) runs the last
     two committed tokens (positions L-2, L-1: the one before may be a draft it never saw), then
     one token per further draft."""
@@ -339,39 +358,44 @@ class Engine:
     logits = dm.logits(h[:, -1])
     subs = sampling.split_rows(key, self.kd)
     drafts, logqs, confs = [], [], []
-    for i in range(self.kd):
-      d, logq, conf, presence_BV = self._pick(logits, subs, i, sp, presence_BV, sample)
+    for i in range(n):
+      d, logq, conf, presence_BV = self._pick(logits, subs, i, sp, presence_BV, sample,
+                                              i < self._conf_cols(n))
       drafts.append(d)
       logqs.append(logq)
       confs.append(conf)
-      if i + 1 < self.kd:
+      if i + 1 < n:
         p1 = (length_B + i)[:, None]
         h, cache = dm(d[:, None], p1, cache)
         logits = dm.logits(h[:, 0])
     return jnp.stack(drafts, 1), jnp.stack(logqs, 1), jnp.stack(confs, 1), cache
 
-  def _draft(self, m, h_BD, key, sp, presence_BV, sample: bool):
-    """Drafts from the heads at one hidden state per row
-    -> (drafts [B, Kd], logq [B, Kd, V], the heads' confidence: peak probability [B, Kd]).
+  def _draft(self, m, h_BD, key, sp, presence_BV, sample: bool, n: int | None = None):
+    """n (default Kd) drafts from the first n heads at one hidden state per row
+    -> (drafts [B, n], logq [B, n, V], the heads' confidence: peak probability [B, n]).
 
     When sampling, draft i is drawn from head i's processed distribution, whose repetition
     penalty also counts drafts 1..i-1 (the history the trunk will verify it against).
     """
     b, v = h_BD.shape[0], self.model_cfg.vocab_size
-    if self.kd == 0:
+    n = self.kd if n is None else n
+    if n == 0:
       return (jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, v), jnp.float32),
               jnp.zeros((b, 0), jnp.float32))
-    hh = m.head_hidden(h_BD[:, None])[:, 0, : self.kd]                  # [B, Kd, D]
-    logits = m.logits(hh)                                               # [B, Kd, V]
+    hh = m.head_hidden(h_BD[:, None])[:, 0, :n]                         # [B, n, D]
+    logits = m.logits(hh)                                               # [B, n, V]
     if not sample:
-      # Confidences feed only the controller and the threshold: skip the softmax otherwise.
-      conf = (jnp.max(jax.nn.softmax(logits, -1), -1) if self.needs_conf
-              else jnp.zeros((b, self.kd), jnp.float32))
-      return (jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((b, self.kd, v), jnp.float32),
-              conf)
+      # Confidences feed only the controller and the threshold: the softmax is skipped where
+      # neither reads it.
+      c = self._conf_cols(n)
+      conf = jnp.zeros((b, n), jnp.float32)
+      if c:
+        conf = conf.at[:, :c].set(jnp.max(jax.nn.softmax(logits[:, :c].astype(jnp.float32), -1),
+                                          -1))
+      return (jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((b, n, v), jnp.float32), conf)
     drafts, logqs = [], []
     subs = sampling.split_rows(key, self.kd)                            # [B, Kd] row keys
-    for i in range(self.kd):
+    for i in range(n):
       logq = sampling.process_logits(logits[:, i], *sp, presence_BV)
       d = sampling.sample(subs[:, i], logq)
       presence_BV = presence_BV.at[jnp.arange(b), d].set(True)
@@ -481,6 +505,7 @@ class Engine:
         drafts=state.drafts.at[slots].set(prefix.drafts),
         draft_logq=state.draft_logq.at[slots].set(prefix.draft_logq),
         draft_conf=state.draft_conf.at[slots].set(prefix.draft_conf),
+        n_fresh=state.n_fresh.at[slots].set(self.kd),
         cache=put(state.cache, prefix.cache), draft_cache=dcache,
         seq_h=None if state.seq_h is None else state.seq_h.at[slots].set(prefix.seq_h),
         key=state.key.at[slots].set(prefix.key),
@@ -505,22 +530,43 @@ class Engine:
 
   # ------------------------------------------------------------------ the step
 
-  def step(self, m, state: DecodeState, k: int, sample: bool, draft: bool = True,
+  def step(self, m, state: DecodeState, k: int, sample: bool, n_draft: int | None = None,
            dm=None) -> DecodeState:
-    """One draft-and-verify step with k drafts (static), for all rows. With a confidence
-    threshold, a row verifies only its drafts before the first one its head doubts.
+    """One draft-and-verify step (see _step), its K/V written into the cache."""
+    return self._step(m, state, k, sample, n_draft, dm)[0]
 
-    draft=False (the adaptive loop's plain step) skips the heads, so that choosing k = 0 costs
-    what plain decoding costs; the old drafts stay (verifying them would still be exact) but
-    their confidences are zeroed, so the controller does not pick them.
+  def _write_kv(self, cache: kv.KVCache, new_kv: kv.KVCache, start_B) -> kv.KVCache:
+    """Writes a step's K/V ([B, T, G, H] per layer) at positions start_B .. start_B + T - 1."""
+    return kv.KVCache(k=tuple(map(lambda c, n: kv.write(c, n, start_B), cache.k, new_kv.k)),
+                      v=tuple(map(lambda c, n: kv.write(c, n, start_B), cache.v, new_kv.v)))
+
+  def _step(self, m, state: DecodeState, k: int, sample: bool, n_draft: int | None = None,
+            dm=None, defer: bool = False):
+    """One draft-and-verify step with k drafts (static), for all rows. With a confidence
+    threshold, a row verifies only its drafts before the first one its head doubts; a row never
+    verifies more than its fresh drafts (n_fresh).
+
+    n_draft (default Kd): drafts to make for the next step. The adaptive loop drafts only what
+    the next step may verify (none in a plain segment, so that choosing k = 0 costs what plain
+    decoding costs; k in a segment of k, all Kd at its end); the drafts not made keep their old
+    values with zero confidence and are not fresh.
+
+    -> (the new state, None); with defer, the trunk's cache is only read: -> (the new state
+    without its cache, the K/V of the step's k+1 positions (from length-1), padded to Kd+1
+    positions, for the caller to write).
     """
+    nd = self.kd if n_draft is None else n_draft
     length = state.length
     last = jnp.take_along_axis(state.tokens, (length - 1)[:, None], axis=1)
     drafts = state.drafts[:, :k]
-    k_row = jnp.minimum(self.row_cut(state.draft_conf), k)
+    k_row = jnp.minimum(self.row_limit(state), k)
     inp = jnp.concatenate([last, drafts], axis=1)                       # [B, k+1]
     pos = (length - 1)[:, None] + jnp.arange(k + 1)[None]
-    h, cache = m(inp, pos, state.cache)
+    h, new_kv = m(inp, pos, state.cache, defer=defer)
+    cache = None if defer else new_kv
+    if defer and k < self.kd:   # one shape for every k (the entries past k+1 are never read)
+      pad = lambda x: jnp.pad(x, ((0, 0), (0, self.kd - k), (0, 0), (0, 0)))
+      new_kv = kv.KVCache(k=tuple(map(pad, new_kv.k)), v=tuple(map(pad, new_kv.v)))
     logits = m.logits(h)                                                # [B, k+1, V]
     ks = sampling.split_rows(state.key, 3)                              # per-row streams
     key, k_verify, k_draft = ks[:, 0], ks[:, 1], ks[:, 2]
@@ -552,20 +598,30 @@ class Engine:
       emitted = jnp.arange(k + 1)[None] < n_emit[:, None]
       new_pres = base.at[jnp.arange(b)[:, None], out].max(emitted)
     dcache, seq_h = state.draft_cache, state.seq_h
-    if draft and self.seq:
+    if nd and self.seq:
       # The modules' caches take the committed tokens (this step's accepted positions), in the
       # same compiled step, then the modules draft in sequence.
       n_upd = min(k, self.n_mod) if k > 0 else 0
       if n_upd:
         dcache, seq_h = self._seq_update(m, h, tokens, length, n, dcache, seq_h, n_upd, active)
       new_drafts, logq, conf, dcache = self._draft_seq(m, seq_h, new_length, dcache, k_draft, sp,
-                                                       new_pres, sample)
-    elif draft:
+                                                       new_pres, sample, nd)
+    elif nd:
       new_drafts, logq, conf, dcache = self._draft_from(m, dm, h_last, tokens, new_length, dcache,
-                                                        k_draft, sp, new_pres, sample)
+                                                        k_draft, sp, new_pres, sample, nd)
     else:
-      new_drafts, logq = state.drafts, state.draft_logq
-      conf = jnp.zeros_like(state.draft_conf)
+      new_drafts = jnp.zeros((length.shape[0], 0), jnp.int32)
+      logq, conf = jnp.zeros((length.shape[0], 0, v), jnp.float32), jnp.zeros((length.shape[0], 0))
+    made = new_drafts.shape[1]
+    if not sample:
+      # Only sampled verification reads q, and a row that samples runs sampled steps only
+      # (greedy rows verify exactly against any q): greedy steps leave draft_logq as it is.
+      logq = state.draft_logq
+    if made < self.kd:     # the drafts not made keep their old values, with zero confidence
+      new_drafts = jnp.concatenate([new_drafts, state.drafts[:, made:]], 1)
+      if sample:
+        logq = jnp.concatenate([logq.astype(jnp.float32), state.draft_logq[:, made:]], 1)
+      conf = jnp.concatenate([conf, jnp.zeros_like(state.draft_conf[:, made:])], 1)
     n_active = jnp.sum(active.astype(jnp.int32))
     verified = jnp.where(active, k_row, 0)
     pos_k = jnp.arange(self.kd)[None]
@@ -576,65 +632,80 @@ class Engine:
                            k, n_active)
     return state.replace(
         tokens=tokens, length=new_length, done=done, drafts=new_drafts, draft_logq=logq,
-        draft_conf=conf, cache=cache, draft_cache=dcache, seq_h=seq_h, key=key, ring=ring,
+        draft_conf=conf, n_fresh=jnp.full_like(state.n_fresh, made), cache=cache,
+        draft_cache=dcache, seq_h=seq_h, key=key, ring=ring,
         step=state.step + 1,
         row_steps=state.row_steps + active.astype(jnp.int32),
-        row_emitted=state.row_emitted + n_emit, drafted=drafted, accepted=accepted)
+        row_emitted=state.row_emitted + n_emit, drafted=drafted,
+        accepted=accepted), (new_kv if defer else None)
 
-  def row_cut(self, conf_BK):
-    """Per row, the index of the first draft whose confidence is below the threshold."""
+  def row_limit(self, state: DecodeState):
+    """Per row, the drafts it may verify: its fresh drafts, cut before the first one whose
+    confidence is below the threshold."""
+    conf_BK = state.draft_conf
     if self.cfg.confidence_threshold <= 0 or self.kd == 0:
-      return jnp.full(conf_BK.shape[:1], self.kd, jnp.int32)
+      return state.n_fresh
     low = conf_BK < self.cfg.confidence_threshold
-    return jnp.where(jnp.any(low, 1), jnp.argmax(low, 1), self.kd).astype(jnp.int32)
+    cut = jnp.where(jnp.any(low, 1), jnp.argmax(low, 1), self.kd).astype(jnp.int32)
+    return jnp.minimum(cut, state.n_fresh)
 
   def choose_k(self, state: DecodeState):
     """The controller: k for the next step, on the device (see adaptive.py)."""
-    rate, trials = adaptive.window_rates(state.ring, state.step, self.cfg.accept_window, self.kd)
-    alpha = adaptive.row_alpha(rate, trials, state.draft_conf, self.row_cut(state.draft_conf))
-    # Rows whose drafts are stale (the last step did not draft) are expected to accept nothing.
-    alpha = jnp.where(state.draft_conf[:, :1] > 0, alpha, 0.0)
-    k = adaptive.choose_k(state.cost, adaptive.expected_emitted(alpha, ~state.done))
+    hits_b, trials_b = adaptive.row_window(state.ring, state.step, self.cfg.accept_window,
+                                           self.kd)
+    trials = jnp.sum(trials_b, 0)
+    rate = jnp.sum(hits_b, 0) / jnp.maximum(trials, 1.0)
+    # Stale drafts (past a row's fresh ones) are expected to accept nothing.
+    alpha = adaptive.row_alpha(rate, trials, state.draft_conf, self.row_limit(state), hits_b,
+                               trials_b)
+    active = ~state.done
+    k = jnp.where(state.closed,
+                  adaptive.choose_k_to_finish(state.cost, alpha, active,
+                                              state.stop_len - state.length),
+                  adaptive.choose_k(state.cost, adaptive.expected_emitted(alpha, active)))
     return jnp.where(state.k_force >= 0, state.k_force, k)
 
   def _generate_impl(self, params, state: DecodeState, num_steps, sample: bool):
     m, dm = self._bind(params)
     not_done = lambda st: ~jnp.all(st.done)
 
-    def run(st, n, fn):
-      """Up to n steps of fn, stopping early when every row is done."""
-      return jax.lax.while_loop(lambda c: (c[0] < n) & not_done(c[1]),
-                                lambda c: (c[0] + 1, fn(c[1])), (jnp.zeros((), jnp.int32), st))[1]
+    if not self.cfg.adaptive:
+      def body(carry):
+        i, st = carry
+        return i + 1, self.step(m, st, self.kd, sample, dm=dm)
+      return jax.lax.while_loop(lambda c: (c[0] < num_steps) & not_done(c[1]), body,
+                                (jnp.zeros((), jnp.int32), state))[1]
 
-    if self.cfg.adaptive:
-      # k is chosen once per segment of adapt_every steps (the choice and the switch between
-      # compiled variants are paid once per segment). Branch 0: plain steps without drafting;
-      # branch 1: the same, but the last step drafts (every probe_every-th plain segment, so that
-      # the controller sees fresh confidences when the load drops); branch k+1: k drafts.
-      plain = lambda st: self.step(m, st, 0, sample, draft=False)
-      branches = [lambda st, n: run(st, n, plain),
-                  lambda st, n: self.step(m, run(st, n - 1, plain), 0, sample, dm=dm)]
-      branches += [lambda st, n, k=k: run(st, n, lambda x: self.step(m, x, k, sample, dm=dm))
-                   for k in range(1, self.kd + 1)]
-
-      def segment(st, n):
-        k = self.choose_k(st)
-        seg = st.step // self.cfg.adapt_every
-        probe = (seg % self.cfg.probe_every) == self.cfg.probe_every - 1
-        idx = jnp.where(k > 0, k + 1, jnp.where(probe & (st.k_force < 0), 1, 0))
-        return jax.lax.switch(idx, branches, st, n)
-    else:
-      segment = lambda st, n: self.step(m, st, self.kd, sample, dm=dm)  # one step per iteration
+    # Adaptive k: the controller chooses k at the start of each segment of adapt_every steps,
+    # and every step runs the compiled variant for its (k, drafts to make) through lax.switch.
+    # A step drafts only what the next step may verify: k inside a segment of k, and all Kd at
+    # its last step, so that the next segment may choose any k; a plain segment drafts nothing,
+    # except all Kd at the last step of every probe_every-th one (so that the controller sees
+    # fresh confidences when acceptance may have recovered). The branches only read the KV
+    # cache and return the step's new entries, written after the switch: a branch that wrote
+    # the cache itself would make XLA copy all of it on every step.
+    kd, every = self.kd, self.cfg.adapt_every
+    variants = [(k, nd) for k in range(kd + 1) for nd in sorted({k, kd})]
+    branches = [lambda st, k=k, nd=nd: self._step(m, st, k, sample, nd, dm=dm, defer=True)
+                for k, nd in variants]
 
     def body(carry):
-      i, st = carry
-      before = st.step
-      st = segment(st, jnp.minimum(self.cfg.adapt_every, num_steps - i))
-      return i + (st.step - before), st
+      i, st, seg_k = carry
+      phase = st.step % every
+      k = jax.lax.cond((phase == 0) | (i == 0), self.choose_k, lambda _: seg_k, st)
+      probe = ((st.step // every) % self.cfg.probe_every == self.cfg.probe_every - 1) \
+          & (st.k_force < 0)
+      more = (phase == every - 1) & ((k > 0) | probe) & (k < kd)
+      idx = 2 * k + more.astype(jnp.int32)        # variants[idx] == (k, k), or (k, Kd)
+      # Greedy steps leave draft_logq as it is: kept out of the switch, it is not copied either.
+      logq = None if sample else st.draft_logq
+      new, new_kv = jax.lax.switch(idx, branches, st if sample else st.replace(draft_logq=None))
+      new = new.replace(cache=self._write_kv(st.cache, new_kv, st.length - 1),
+                        draft_logq=new.draft_logq if sample else logq)
+      return i + 1, new, k
 
-    _, state = jax.lax.while_loop(lambda c: (c[0] < num_steps) & not_done(c[1]), body,
-                                  (jnp.zeros((), jnp.int32), state))
-    return state
+    return jax.lax.while_loop(lambda c: (c[0] < num_steps) & not_done(c[1]), body,
+                              (jnp.zeros((), jnp.int32), state, jnp.zeros((), jnp.int32)))[1]
 
   def generate(self, params, state: DecodeState, num_steps: int | None = None,
                sample: bool | None = None) -> DecodeState:

@@ -73,6 +73,18 @@ def test_cost_table_round_trip(tmp_path):
   assert A.load_table(path, "x") == [1.0, 2.0] and A.load_table(path, "y") == [3.0]
 
 
+def test_measured_costs_are_made_non_decreasing():
+  assert A.monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+  # A k that measured dearer than the next one is averaged with it, not skipped over.
+  np.testing.assert_allclose(A.monotone([1.3, 2.1, 3.1, 2.5]), [1.3, 2.1, 2.8, 2.8])
+  np.testing.assert_allclose(A.monotone([1.0, 3.0, 2.0, 1.0, 5.0]), [1.0, 2.0, 2.0, 2.0, 5.0])
+  rng = np.random.default_rng(0)
+  for _ in range(50):
+    c = rng.uniform(0, 1, 6)
+    m = np.asarray(A.monotone(list(c)))
+    assert np.all(np.diff(m) >= -1e-12) and np.isclose(m.sum(), c.sum())
+
+
 class _Compiles(logging.Handler):
   def __init__(self):
     super().__init__()
@@ -115,15 +127,36 @@ def test_k_changes_between_steps_without_recompiles_and_output_is_unchanged(trai
   assert len(set(ks)) >= 2, f"k never changed: {sorted(set(ks))}"
 
 
-def test_measured_chunks_refine_the_cost_of_the_k_they_ran(trained_tiny):
-  _, workdir, _ = trained_tiny
-  mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
-  dec = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, adaptive=True))
-  dec.engine.cost = [0.010, 0.012, 0.014, 0.016, 0.018]
-  assert not dec._learn_cost(np.array([3] * 16), 0.64)       # table not in seconds yet
-  dec.engine.cost_in_seconds = True
-  assert dec._learn_cost(np.array([3] * 14 + [0, 0]), 0.64)  # 40 ms per step, mostly k=3
-  np.testing.assert_allclose(dec.engine.cost, [0.010, 0.012, 0.014, 0.7 * 0.016 + 0.3 * 0.04,
-                                               0.018])
-  assert not dec._learn_cost(np.array([1, 2] * 8), 0.5)      # no k dominates: nothing learned
-  assert not dec._learn_cost(np.array([3] * 4), 0.5)         # too few steps
+def test_with_no_request_waiting_the_controller_aims_at_the_last_row():
+  """Two rows with the same remaining budget, one drafting well and one badly: for throughput,
+  drafting pays on average; for the end of the job, the bad row decides (brute force)."""
+  cost = jnp.asarray([1.0, 1.5, 1.9, 2.3])
+  alpha = jnp.asarray([[0.95, 0.95, 0.95], [0.2, 0.2, 0.2]])
+  active, remaining = jnp.array([True, True]), jnp.array([100, 100])
+  assert _choose(cost, alpha) > 0
+  assert int(A.choose_k_to_finish(cost, alpha, active, remaining)) == 0
+  # The bad row is nearly done: the good one decides, and it drafts.
+  assert int(A.choose_k_to_finish(cost, alpha, active, jnp.array([100, 3]))) == 3
+  # Finished rows do not count.
+  assert int(A.choose_k_to_finish(cost, alpha, jnp.array([True, False]), remaining)) == 3
+  rng = np.random.default_rng(0)
+  for _ in range(100):
+    b, k_max = int(rng.integers(1, 6)), int(rng.integers(1, 4))
+    alpha = rng.uniform(0, 1, (b, k_max))
+    act = rng.uniform(size=b) < 0.8
+    rem = rng.integers(1, 50, b)
+    cost = np.cumsum(rng.uniform(0.01, 1.0, k_max + 1))
+    t = [max([0.0] + [rem[r] / (1 + sum(np.prod(alpha[r, :j + 1]) for j in range(k))) * cost[k]
+                      for r in range(b) if act[r]]) for k in range(k_max + 1)]
+    got = int(A.choose_k_to_finish(jnp.asarray(cost), jnp.asarray(alpha), jnp.asarray(act),
+                                   jnp.asarray(rem)))
+    assert np.isclose(t[got], min(t)), (t, got)
+
+
+def test_row_rates_shrink_towards_the_shared_estimate():
+  alpha = A.row_alpha(jnp.asarray([0.5, 0.5]), jnp.asarray([1000.0, 1000.0]),
+                      jnp.full((2, 2), 0.5), jnp.array([2, 2]),
+                      jnp.asarray([[16.0, 16.0], [0.0, 0.0]]), jnp.asarray([[16.0, 16.0],
+                                                                           [16.0, 16.0]]))
+  # Row 0 accepted all of its 16 trials, row 1 none: halfway from the shared 0.5 each way.
+  np.testing.assert_allclose(np.asarray(alpha), [[0.75, 0.75], [0.25, 0.25]], atol=1e-6)

@@ -220,7 +220,11 @@ def step_cost(mcfg: ModelConfig, hcfg, dcfg: DecodeConfig, k: float, batch: int,
   flops = 2 * batch * (k + 1) * (trunk_macs + attn_macs)
   if k and dcfg.drafter == "heads":
     nbytes += head_params * itemsize
-    flops += 2 * batch * k * (mcfg.d_model**2 + emb)
+    per_head = head_params / hcfg.num
+    if hcfg.kind == "sequential":   # each module takes the step's k+1 tokens, then drafts once
+      flops += 2 * batch * ((2 * k + 1) * per_head + k * emb)
+    else:
+      flops += 2 * batch * k * (per_head + emb)
   if k and dcfg.drafter == "model" and draft_params is not None:
     dn = model_lib.count_params(draft_params)
     nbytes += dn * itemsize * k + batch * dcfg.max_len * 2 * draft_cfg.n_layers * \

@@ -122,11 +122,20 @@ class HeadsConfig:
   SECTION = "heads"
   kind: str = "parallel"
   num: int = 3
+  layers: int = 1                   # parallel: residual SiLU layers per head (Medusa's num_layers)
+  module_d_ff: int = 0              # sequential: MLP width of each module's block; 0 = model.d_ff
 
   def __post_init__(self):
     if self.kind not in HEAD_KINDS:
       _fail("heads.kind", self.kind, f"must be one of {HEAD_KINDS}")
-    _positive(self, "num")
+    _positive(self, "num", "layers")
+    if self.layers > 1 and self.kind != "parallel":
+      _fail("heads.layers", self.layers, "applies to parallel heads only (heads.kind='parallel')")
+    if self.module_d_ff < 0:
+      _fail("heads.module_d_ff", self.module_d_ff, "must be >= 0 (0 = model.d_ff)")
+    if self.module_d_ff and self.kind != "sequential":
+      _fail("heads.module_d_ff", self.module_d_ff,
+            "applies to sequential heads only (heads.kind='sequential')")
 
 
 MODES = ("joint", "heads_only")
@@ -227,6 +236,7 @@ class DecodeConfig:
   prefill_rows: int = 8             # prompts prefilled per call when several slots are free
   drafter: str = "heads"            # heads (MTP) | ngram (prompt lookup) | model (a draft model)
   reuse_module: bool = False        # sequential heads: draft k tokens with module 1 applied k times
+                                    # (implied for a model with one module and k > 1)
   ngram_n: int = 2                  # ngram: the suffix length looked up in the row's history
 
   def __post_init__(self):
@@ -250,20 +260,22 @@ class DecodeConfig:
     if max_len > model.max_seq_len:
       _fail("decode.max_len", self.max_len, f"must be <= model.max_seq_len={model.max_seq_len}")
     k = heads.num if self.k == -1 else self.k
+    reuse = self.reuse_module or (heads.kind == "sequential" and heads.num == 1 and k > 1
+                                  and self.drafter == "heads")   # one module: the only way
     if self.reuse_module and (heads.kind != "sequential" or self.drafter != "heads"):
       _fail("decode.reuse_module", True, "needs sequential heads (heads.kind='sequential') "
             "drafting (decode.drafter='heads')")
-    if k > heads.num and self.drafter == "heads" and not self.reuse_module:
+    if k > heads.num and self.drafter == "heads" and not reuse:
       _fail("decode.k", self.k, f"must be <= heads.num={heads.num}"
             + (" (or set decode.reuse_module)" if heads.kind == "sequential" else ""))
     if max_len <= k + 1:
       _fail("decode.max_len", max_len, f"must be > k + 1 = {k + 1}")
-    return dataclasses.replace(self, max_len=max_len, k=k,
+    return dataclasses.replace(self, max_len=max_len, k=k, reuse_module=reuse,
                                prefill_rows=min(self.prefill_rows, self.batch_size))
 
 
 DEFAULT_RULES = ("batch=data,vocab=model,embed=,mlp=model,heads=model,kv_heads=model,"
-                 "head_dim=,heads_stack=")
+                 "head_dim=,heads_stack=,layers_stack=")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,8 @@ hidden states that go through the trunk's shared unembedding in one matmul.
 
 'parallel' (Medusa / Gloeckle et al.): h + SiLU(h W_i + b_i), all K heads as one stacked weight
 [K, D, D] and one einsum. W is initialised to zero, so every head starts as the identity, i.e. as a
-copy of the trunk's next-token prediction, and training moves it one token further each.
+copy of the trunk's next-token prediction, and training moves it one token further each. With
+heads.layers = L > 1 each head stacks L such residual layers (Medusa's num_layers).
 
 'sequential' (DeepSeek-V3 MTP modules): module i at position t computes
   x = W_h norm(h^{i-1}_t) + W_e norm(embed(token_{t+i}))      (= proj([norm(h); norm(e)]), 2D -> D)
@@ -15,9 +16,12 @@ and predicts token t+1+i through out_norm and the trunk's shared unembedding; h^
 final hidden state. Module i runs at rotary position t + i (the position of its input token; only
 relative positions matter), which is also where the decode engine keeps its K/V. W_h starts as the
 identity and W_e at zero, so a fresh module starts close to the trunk's next-token prediction.
+heads.module_d_ff narrows the blocks' MLP (a lighter module; the trunk's width by default).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -32,15 +36,25 @@ class ParallelHeads(nnx.Module):
     k, d = heads_cfg.num, cfg.d_model
     self.w_KDE = nnx.Param(jnp.zeros((k, d, d), pd))
     self.b_KE = nnx.Param(jnp.zeros((k, d), pd))
+    self.extra = heads_cfg.layers - 1
+    if self.extra:                      # layers 2..L of every head
+      self.wx_KLDE = nnx.Param(jnp.zeros((k, self.extra, d, d), pd))
+      self.bx_KLE = nnx.Param(jnp.zeros((k, self.extra, d), pd))
 
   def __call__(self, h_BTD):
     dt = h_BTD.dtype
     z = jnp.einsum("BTD,KDE->BTKE", h_BTD, self.w_KDE[...].astype(dt)) + self.b_KE[...].astype(dt)
-    return h_BTD[:, :, None, :] + jax.nn.silu(z)
+    x = h_BTD[:, :, None, :] + jax.nn.silu(z)
+    for l in range(self.extra):
+      z = (jnp.einsum("BTKD,KDE->BTKE", x, self.wx_KLDE[:, l].astype(dt))
+           + self.bx_KLE[:, l].astype(dt))
+      x = x + jax.nn.silu(z)
+    return x
 
 
 class MTPModule(nnx.Module):
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int = 0):
+    """d_ff: the block's MLP width (0 = the trunk's)."""
     from mtp_jax.model import Block, RMSNorm
     pd = jnp.dtype(cfg.param_dtype)
     d = cfg.d_model
@@ -48,7 +62,7 @@ class MTPModule(nnx.Module):
     self.e_norm = RMSNorm(d, cfg.norm_eps, pd)
     self.wh_DE = nnx.Param(jnp.eye(d, dtype=pd))
     self.we_DE = nnx.Param(jnp.zeros((d, d), pd))
-    self.block = Block(cfg, rngs)
+    self.block = Block(dataclasses.replace(cfg, d_ff=d_ff or cfg.d_ff), rngs)
     self.out_norm = RMSNorm(d, cfg.norm_eps, pd)
 
   def __call__(self, h_BTD, e_BTD, pos_BT, cache_kv=None, key_limit_B=None, key_min: int = 0):
@@ -64,7 +78,8 @@ class MTPModule(nnx.Module):
 
 class SequentialHeads(nnx.Module):
   def __init__(self, cfg: ModelConfig, heads_cfg: HeadsConfig, rngs: nnx.Rngs):
-    self.modules = nnx.List([MTPModule(cfg, rngs) for _ in range(heads_cfg.num)])
+    self.modules = nnx.List([MTPModule(cfg, rngs, heads_cfg.module_d_ff)
+                             for _ in range(heads_cfg.num)])
 
   def __call__(self, h_BTD, tokens_BW, embed):
     """Training / full recomputation: every module over the whole sequence -> [B, T, K, D]."""

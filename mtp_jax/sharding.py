@@ -2,10 +2,11 @@
 
 Every parameter's name ends in the letters of its dimensions (`wq_DNH`, `embed_VD`, `w_KDE`; see
 config.py), so its logical axes are read off its name: V vocab, D / E embed, F mlp, N heads,
-G kv_heads, H head_dim, K heads_stack. RMSNorm `scale`s are (embed,). The same holds for any tree
-keyed by parameter names (gradients, the optimizer's moments). Rules (`MeshConfig.rules`) map a
-logical name to a mesh axis or to nothing (replicated); a dimension that the mesh axis does not
-divide is replicated instead (noted by `describe`), so every model runs on every mesh.
+G kv_heads, H head_dim, K heads_stack, L layers_stack. RMSNorm `scale`s are (embed,). The same
+holds for any tree keyed by parameter names (gradients, the optimizer's moments). Rules
+(`MeshConfig.rules`) map a logical name to a mesh axis or to nothing (replicated); a dimension
+that the mesh axis does not divide is replicated instead (noted by `describe`), so every model
+runs on every mesh.
 
 The decode state is sharded by role: slots on 'data' (every [B, ...] array), and the KV caches'
 kv_heads on 'model'. Small per-row vectors and the step ring are replicated so that every host
@@ -29,7 +30,7 @@ from mtp_jax.config import ConfigError
 
 AXES = ("data", "model")
 LETTERS = {"V": "vocab", "D": "embed", "E": "embed", "F": "mlp", "N": "heads", "G": "kv_heads",
-           "H": "head_dim", "K": "heads_stack"}
+           "H": "head_dim", "K": "heads_stack", "L": "layers_stack"}
 
 
 def parse_shape(spec: str) -> dict[str, int]:

@@ -175,4 +175,24 @@ def test_config_checks():
     DecodeConfig(k=5).resolve(m, HeadsConfig(kind="sequential", num=3))
   assert DecodeConfig(k=5, reuse_module=True).resolve(
       m, HeadsConfig(kind="sequential", num=1)).k == 5
+  # One module and k > 1: reusing it is the only way, so it is implied.
+  assert DecodeConfig(k=3).resolve(m, HeadsConfig(kind="sequential", num=1)).reuse_module
+  assert not DecodeConfig(k=1).resolve(m, HeadsConfig(kind="sequential", num=1)).reuse_module
+  with pytest.raises(config_lib.ConfigError, match="heads.layers=2: applies to parallel"):
+    HeadsConfig(kind="sequential", layers=2)
+  with pytest.raises(config_lib.ConfigError, match="heads.module_d_ff=64: applies to sequential"):
+    HeadsConfig(kind="parallel", module_d_ff=64)
+
+
+def test_narrow_module_mlp():
+  """heads.module_d_ff sets the modules' MLP width (a lighter module), the trunk's unchanged."""
+  mcfg = config_lib.ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
+                                d_ff=64, max_seq_len=64)
+  full = model_lib.split(model_lib.create(mcfg, HeadsConfig(kind="sequential", num=1)))[1]
+  narrow = model_lib.split(model_lib.create(
+      mcfg, HeadsConfig(kind="sequential", num=1, module_d_ff=16)))[1]
+  mlp = narrow["heads"]["modules"][0]["block"]["mlp"]
+  assert mlp["gate_DF"].shape == (32, 16) and mlp["down_FD"].shape == (16, 32)
+  assert narrow["trunk"]["blocks"][0]["mlp"]["gate_DF"].shape == (32, 64)
+  assert model_lib.count_params(full) - model_lib.count_params(narrow) == 3 * 32 * (64 - 16)
   assert dataclasses.replace(DecodeConfig(), k=0).k == 0

@@ -51,9 +51,13 @@ def row_window(ring: ring_lib.Ring, step, window: int, k_max: int):
 def window_rates(ring: ring_lib.Ring, step, window: int, k_max: int):
   """Per draft position i: the conditional acceptance rate P(accept i | reached i) over the last
   `window` steps, and the number of trials. -> (rate [K], trials [K])."""
-  hits, trials = row_window(ring, step, window, k_max)
-  n_hits, n_trials = jnp.sum(hits, 0), jnp.sum(trials, 0)
-  return n_hits / jnp.maximum(n_trials, 1.0), n_trials
+  return pooled_rates(*row_window(ring, step, window, k_max))
+
+
+def pooled_rates(hits_BK, trials_BK):
+  """Per-row window counts pooled over rows -> (rate [K], trials [K])."""
+  n_trials = jnp.sum(trials_BK, 0)
+  return jnp.sum(hits_BK, 0) / jnp.maximum(n_trials, 1.0), n_trials
 
 
 def row_alpha(rate_K, trials_K, conf_BK, cut_B, row_hits_BK=None, row_trials_BK=None):

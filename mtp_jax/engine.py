@@ -535,11 +535,6 @@ class Engine:
     """One draft-and-verify step (see _step), its K/V written into the cache."""
     return self._step(m, state, k, sample, n_draft, dm)[0]
 
-  def _write_kv(self, cache: kv.KVCache, new_kv: kv.KVCache, start_B) -> kv.KVCache:
-    """Writes a step's K/V ([B, T, G, H] per layer) at positions start_B .. start_B + T - 1."""
-    return kv.KVCache(k=tuple(map(lambda c, n: kv.write(c, n, start_B), cache.k, new_kv.k)),
-                      v=tuple(map(lambda c, n: kv.write(c, n, start_B), cache.v, new_kv.v)))
-
   def _step(self, m, state: DecodeState, k: int, sample: bool, n_draft: int | None = None,
             dm=None, defer: bool = False):
     """One draft-and-verify step with k drafts (static), for all rows. With a confidence
@@ -653,8 +648,7 @@ class Engine:
     """The controller: k for the next step, on the device (see adaptive.py)."""
     hits_b, trials_b = adaptive.row_window(state.ring, state.step, self.cfg.accept_window,
                                            self.kd)
-    trials = jnp.sum(trials_b, 0)
-    rate = jnp.sum(hits_b, 0) / jnp.maximum(trials, 1.0)
+    rate, trials = adaptive.pooled_rates(hits_b, trials_b)
     # Stale drafts (past a row's fresh ones) are expected to accept nothing.
     alpha = adaptive.row_alpha(rate, trials, state.draft_conf, self.row_limit(state), hits_b,
                                trials_b)
@@ -698,10 +692,10 @@ class Engine:
       more = (phase == every - 1) & ((k > 0) | probe) & (k < kd)
       idx = 2 * k + more.astype(jnp.int32)        # variants[idx] == (k, k), or (k, Kd)
       # Greedy steps leave draft_logq as it is: kept out of the switch, it is not copied either.
-      logq = None if sample else st.draft_logq
       new, new_kv = jax.lax.switch(idx, branches, st if sample else st.replace(draft_logq=None))
-      new = new.replace(cache=self._write_kv(st.cache, new_kv, st.length - 1),
-                        draft_logq=new.draft_logq if sample else logq)
+      new = new.replace(cache=kv.write_layers(st.cache, new_kv, st.length - 1))
+      if not sample:
+        new = new.replace(draft_logq=st.draft_logq)
       return i + 1, new, k
 
     return jax.lax.while_loop(lambda c: (c[0] < num_steps) & not_done(c[1]), body,

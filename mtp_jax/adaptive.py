@@ -10,7 +10,9 @@ table) and E[emitted | k] = 1 + sum_{j<=k} prod_{i<=j} alpha_{row,i}. The per-ro
 estimate alpha blends the windowed per-position conditional acceptance rate read from the ring
 with the head's own confidence in this step's first draft and the row's own window rate (see
 row_alpha); with a confidence threshold a row's chain is cut at its first doubtful draft. k = 0 is
-plain decoding.
+plain decoding, and k > 0 is chosen only when its expected gain over plain decoding exceeds a
+margin (decode.adapt_margin): the promise is never to be slower than plain decoding, and the
+estimates are noisy.
 
 Once no request waits for a slot (the host says so: DecodeState.closed), tokens per second of the
 whole batch no longer matter, only when its last row finishes: the controller then minimises
@@ -94,18 +96,25 @@ def expected_emitted(alpha_BK, active_B):
   return jnp.sum(jnp.where(active_B[:, None], row_expected(alpha_BK), 0.0), axis=0)
 
 
-def choose_k(cost_K1, expected_K1):
-  """argmax_k expected[k] / cost[k]; ties go to the smaller k."""
-  return jnp.argmax(expected_K1 / cost_K1).astype(jnp.int32)
+def choose_k(cost_K1, expected_K1, margin: float = 0.0):
+  """argmax_k expected[k] / cost[k]; ties go to the smaller k. With a margin, drafting is chosen
+  only when it is expected to beat plain decoding by more than that fraction: the estimates
+  carry noise, and a mistaken k > 0 costs more than a missed one gains."""
+  rate = expected_K1 / cost_K1
+  best = jnp.argmax(rate)
+  return jnp.where(rate[best] > rate[0] * (1.0 + margin), best, 0).astype(jnp.int32)
 
 
-def choose_k_to_finish(cost_K1, alpha_BK, active_B, remaining_B):
+def choose_k_to_finish(cost_K1, alpha_BK, active_B, remaining_B, margin: float = 0.0):
   """When no request waits for a slot, throughput no longer counts, only when the last row
   finishes: the k that minimises max over active rows of remaining_i / E_i[emitted | k] * c(k).
   (A row that drafts well finishing early frees a slot nobody takes, while every step still
-  costs c(k) for all slots.) Ties go to the smaller k."""
+  costs c(k) for all slots.) Ties go to the smaller k; k > 0 only when it is expected to finish
+  sooner than plain decoding by more than `margin` (see choose_k)."""
   t = remaining_B[:, None].astype(jnp.float32) / row_expected(alpha_BK) * cost_K1[None]
-  return jnp.argmin(jnp.max(jnp.where(active_B[:, None], t, 0.0), axis=0)).astype(jnp.int32)
+  t = jnp.max(jnp.where(active_B[:, None], t, 0.0), axis=0)
+  best = jnp.argmin(t)
+  return jnp.where(t[best] * (1.0 + margin) < t[0], best, 0).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------- the cost table

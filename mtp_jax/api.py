@@ -205,6 +205,25 @@ class Decoder:
           on_done(r, results[r])
       finished.clear()
 
+    # Adaptive k: while the controller keeps to plain decoding, the host runs chunks of plain
+    # decoding's own step (no per-step switch) in between, 1, 2, 4, ... up to plain_max chunks
+    # (the probe interval cap, in chunks), then an adaptive chunk again, whose probes tell
+    # whether drafting pays by now; a chunk that drafts sets the run back to 1.
+    plain_max = max(1, eng.cfg.probe_every_max * eng.cfg.adapt_every // eng.cfg.ring_size)
+    plain_run, plain_left = 1, 0
+    launched: list[bool] = []           # per chunk not yet collected: ran plain
+
+    def adapt_to(records):
+      """Reads a drained chunk's k: sets how many plain chunks come next."""
+      nonlocal plain_run, plain_left
+      if not launched.pop(0) and eng.cfg.adaptive:
+        k_used, active = records[2], records[3]
+        if np.all(k_used[active > 0] == 0):
+          plain_left, plain_run = plain_run, min(2 * plain_run, plain_max)
+        else:
+          plain_left, plain_run = 0, 1
+      return records
+
     # While requests wait, a finished row is refilled right after its chunk, so the host reads
     # each chunk before launching the next. Once the queue is empty nothing needs refilling: the
     # next chunk is launched first and the previous one drained while the device runs it.
@@ -218,16 +237,19 @@ class Decoder:
         closed = not queue
         state = state.replace(closed=jnp.asarray(closed))
       sample = bool(np.any(sampled & (np.asarray(slot_req) >= 0)))
-      state = eng.generate(self.params, state, sample=sample)
+      plain = eng.cfg.adaptive and plain_left > 0
+      plain_left -= plain
+      launched.append(plain)
+      state = eng.generate(self.params, state, sample=sample, plain=plain)
       hand_over()                       # detokenise and write while the chunk runs
       if drain.pending:
-        collect(finish_drain())
+        collect(adapt_to(finish_drain()))
       drain.start(state.ring, state.step, state.done, state.row_steps)
       if queue or not any(r >= 0 for r in slot_req):
-        collect(finish_drain())
+        collect(adapt_to(finish_drain()))
         state = fill(state)
     if drain.pending:
-      collect(finish_drain())
+      collect(adapt_to(finish_drain()))
     hand_over()
     self.last_stats = engine_lib.stats(state)
     self.last_timing = {"wall_s": time.perf_counter() - t_start, "wait_s": wait[0]}

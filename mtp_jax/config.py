@@ -233,6 +233,10 @@ class DecodeConfig:
   accept_window: int = 16           # steps of the ring the acceptance rates are read from
   adapt_every: int = 4              # adaptive: steps run with one choice of k (a segment)
   probe_every: int = 4              # adaptive: every n-th plain segment drafts at its last step
+  adapt_margin: float = 0.05        # adaptive: draft only when expected to beat plain by this
+  probe_every_max: int = 64         # adaptive: the probe interval (in segments) doubles after
+                                    # each probe that leads to no drafting, up to this (past
+                                    # one generate call, as whole plain calls)
   prefill_rows: int = 8             # prompts prefilled per call when several slots are free
   drafter: str = "heads"            # heads (MTP) | ngram (prompt lookup) | model (a draft model)
   reuse_module: bool = False        # sequential heads: draft k tokens with module 1 applied k times
@@ -242,6 +246,11 @@ class DecodeConfig:
   def __post_init__(self):
     _positive(self, "batch_size", "ring_size", "min_bucket", "accept_window", "probe_every",
               "prefill_rows", "adapt_every")
+    if not 0.0 <= self.adapt_margin < 1.0:
+      _fail("decode.adapt_margin", self.adapt_margin, "must be in [0, 1)")
+    if self.probe_every_max < self.probe_every:
+      _fail("decode.probe_every_max", self.probe_every_max,
+            f"must be >= decode.probe_every={self.probe_every}")
     if not 0.0 <= self.confidence_threshold < 1.0:
       _fail("decode.confidence_threshold", self.confidence_threshold, "must be in [0, 1)")
     if self.max_len < 0:

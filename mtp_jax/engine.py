@@ -63,6 +63,9 @@ class DecodeState:
   k_force: jax.Array       # [] -1: the controller chooses k; else this k (calibration)
   closed: jax.Array        # [] bool: no request waits for a slot (the controller then aims at
                            # the end of the job rather than tokens per second; see adaptive.py)
+  probe_gap: jax.Array     # [] plain segments between probes (doubles while probes find
+                           # nothing worth drafting; back to probe_every once k > 0)
+  plain_segs: jax.Array    # [] plain segments ended since the last probe or drafting segment
 
 
 @struct.dataclass
@@ -128,7 +131,7 @@ class Engine:
     out = self.state_sharding
     self._prefill = jax.jit(self._prefill_impl, static_argnames=("sample",))
     self._insert = jax.jit(self._insert_impl, donate_argnames=("state",), out_shardings=out)
-    self._generate = jax.jit(self._generate_impl, static_argnames=("sample",),
+    self._generate = jax.jit(self._generate_impl, static_argnames=("sample", "plain"),
                              donate_argnames=("state",), out_shardings=out)
     self._cancel = jax.jit(lambda state, mask: state.replace(done=state.done | mask),
                            donate_argnums=0, out_shardings=out)
@@ -163,7 +166,8 @@ class Engine:
         row_steps=jnp.zeros((b,), jnp.int32), row_emitted=jnp.zeros((b,), jnp.int32),
         drafted=jnp.zeros((kd,), jnp.int32), accepted=jnp.zeros((kd,), jnp.int32),
         cost=jnp.asarray(self.cost, jnp.float32), k_force=jnp.asarray(-1, jnp.int32),
-        closed=jnp.asarray(False))
+        closed=jnp.asarray(False), probe_gap=jnp.asarray(self.cfg.probe_every, jnp.int32),
+        plain_segs=jnp.zeros((), jnp.int32))
 
   def bucket(self, n: int) -> int:
     """The prefill bucket (a power of two >= min_bucket, at most max_len - k - 1) for n tokens."""
@@ -212,7 +216,8 @@ class Engine:
           state = self.insert(prefix, state, list(range(n)), [2] * n, [t] * n, [0] * n,
                               [1.0] * n, [1.0] * n)
     for sample in (False, True):
-      state = self.generate(params, state, 1, sample=sample)
+      for plain in sorted({False, self.cfg.adaptive}):
+        state = self.generate(params, state, 1, sample=sample, plain=plain)
     state = self.cancel(state, np.zeros((self.cfg.batch_size,), bool))
     jax.block_until_ready(state)
     return len(buckets)
@@ -653,32 +658,48 @@ class Engine:
     alpha = adaptive.row_alpha(rate, trials, state.draft_conf, self.row_limit(state), hits_b,
                                trials_b)
     active = ~state.done
+    margin = self.cfg.adapt_margin
     k = jnp.where(state.closed,
                   adaptive.choose_k_to_finish(state.cost, alpha, active,
-                                              state.stop_len - state.length),
-                  adaptive.choose_k(state.cost, adaptive.expected_emitted(alpha, active)))
+                                              state.stop_len - state.length, margin),
+                  adaptive.choose_k(state.cost, adaptive.expected_emitted(alpha, active), margin))
     return jnp.where(state.k_force >= 0, state.k_force, k)
 
-  def _generate_impl(self, params, state: DecodeState, num_steps, sample: bool):
+  def _generate_impl(self, params, state: DecodeState, num_steps, sample: bool,
+                     plain: bool = False):
     m, dm = self._bind(params)
     not_done = lambda st: ~jnp.all(st.done)
 
-    if not self.cfg.adaptive:
+    if not self.cfg.adaptive or plain:
+      # A plain chunk of the adaptive engine is plain decoding's own step (the cache written in
+      # place, no switch, nothing drafted), chosen by the host while the controller keeps to k=0.
+      k, nd = (0, 0) if plain else (self.kd, None)
+
       def body(carry):
         i, st = carry
-        return i + 1, self.step(m, st, self.kd, sample, dm=dm)
-      return jax.lax.while_loop(lambda c: (c[0] < num_steps) & not_done(c[1]), body,
-                                (jnp.zeros((), jnp.int32), state))[1]
+        return i + 1, self.step(m, st, k, sample, nd, dm=dm)
+      out = jax.lax.while_loop(lambda c: (c[0] < num_steps) & not_done(c[1]), body,
+                               (jnp.zeros((), jnp.int32), state))[1]
+      # Nothing was drafted: the next adaptive call probes at the end of its first segment, so
+      # that the controller acts on fresh drafts within that call.
+      return out.replace(plain_segs=out.probe_gap - 1) if plain else out
 
     # Adaptive k: the controller chooses k at the start of each segment of adapt_every steps,
     # and every step runs the compiled variant for its (k, drafts to make) through lax.switch.
     # A step drafts only what the next step may verify: k inside a segment of k, and all Kd at
     # its last step, so that the next segment may choose any k; a plain segment drafts nothing,
-    # except all Kd at the last step of every probe_every-th one (so that the controller sees
-    # fresh confidences when acceptance may have recovered). The branches only read the KV
-    # cache and return the step's new entries, written after the switch: a branch that wrote
-    # the cache itself would make XLA copy all of it on every step.
+    # except all Kd at the last step of a probe segment (so that the controller sees fresh
+    # confidences when acceptance may have recovered). Probes come every probe_gap plain
+    # segments; the gap doubles after each probe that leads to no drafting (up to one chunk's
+    # segments; beyond that the host runs plain chunks in between, see api.Decoder.run), since
+    # a probe costs a drafting step's head work, and goes back to probe_every once a segment
+    # drafts. The branches only read the KV cache and return the
+    # step's new entries, written after the switch: a branch that wrote the cache itself would
+    # make XLA copy all of it on every step.
     kd, every = self.kd, self.cfg.adapt_every
+    # Past one chunk's worth of segments the host takes over the backing off (plain chunks).
+    gap_max = min(self.cfg.probe_every_max,
+                  max(self.cfg.probe_every, self.cfg.ring_size // every))
     variants = [(k, nd) for k in range(kd + 1) for nd in sorted({k, kd})]
     branches = [lambda st, k=k, nd=nd: self._step(m, st, k, sample, nd, dm=dm, defer=True)
                 for k, nd in variants]
@@ -687,29 +708,39 @@ class Engine:
       i, st, seg_k = carry
       phase = st.step % every
       k = jax.lax.cond((phase == 0) | (i == 0), self.choose_k, lambda _: seg_k, st)
-      probe = ((st.step // every) % self.cfg.probe_every == self.cfg.probe_every - 1) \
-          & (st.k_force < 0)
-      more = (phase == every - 1) & ((k > 0) | probe) & (k < kd)
+      seg_end = phase == every - 1
+      probe = (k == 0) & (st.plain_segs + 1 >= st.probe_gap) & (st.k_force < 0)
+      more = seg_end & ((k > 0) | probe) & (k < kd)
       idx = 2 * k + more.astype(jnp.int32)        # variants[idx] == (k, k), or (k, Kd)
       # Greedy steps leave draft_logq as it is: kept out of the switch, it is not copied either.
       new, new_kv = jax.lax.switch(idx, branches, st if sample else st.replace(draft_logq=None))
       new = new.replace(cache=kv.write_layers(st.cache, new_kv, st.length - 1))
       if not sample:
         new = new.replace(draft_logq=st.draft_logq)
+      gap = jnp.where(k > 0, self.cfg.probe_every,
+                      jnp.where(probe, jnp.minimum(2 * st.probe_gap, gap_max),
+                                st.probe_gap))
+      plain = jnp.where((k > 0) | probe, 0, st.plain_segs + 1)
+      new = new.replace(probe_gap=jnp.where(seg_end, gap, st.probe_gap),
+                        plain_segs=jnp.where(seg_end, plain, st.plain_segs))
       return i + 1, new, k
 
     return jax.lax.while_loop(lambda c: (c[0] < num_steps) & not_done(c[1]), body,
                               (jnp.zeros((), jnp.int32), state, jnp.zeros((), jnp.int32)))[1]
 
   def generate(self, params, state: DecodeState, num_steps: int | None = None,
-               sample: bool | None = None) -> DecodeState:
-    """Runs up to num_steps (<= ring capacity) steps; `state` is donated."""
+               sample: bool | None = None, plain: bool = False) -> DecodeState:
+    """Runs up to num_steps (<= ring capacity) steps; `state` is donated. plain (adaptive
+    engines): plain decoding steps without the controller, compiled apart; the step is then
+    exactly plain decoding's, without the adaptive loop's per-step switch (see
+    api.Decoder.run for when the host asks for it)."""
     num_steps = self.cfg.ring_size if num_steps is None else num_steps
     if not 0 < num_steps <= self.cfg.ring_size:
       raise ValueError(f"num_steps={num_steps} must be in 1..ring_size={self.cfg.ring_size}")
     if sample is None:
       sample = needs_sampling(np.asarray(state.temperature), np.asarray(state.penalty))
-    return self._generate(params, state, jnp.asarray(num_steps, jnp.int32), sample=sample)
+    return self._generate(params, state, jnp.asarray(num_steps, jnp.int32), sample=sample,
+                          plain=bool(plain and self.cfg.adaptive))
 
 
 def tree_bytes(tree) -> int:

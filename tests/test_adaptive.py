@@ -11,6 +11,7 @@ import numpy as np
 from mtp_jax import adaptive as A
 from mtp_jax import api
 from mtp_jax import checkpoint as ckpt_lib
+from mtp_jax import engine as E
 from mtp_jax import ring as ring_lib
 from mtp_jax.config import DecodeConfig
 
@@ -30,6 +31,20 @@ def test_picks_zero_when_drafting_cannot_pay():
 
 def test_picks_k_max_when_verification_is_free_and_acceptance_high():
   assert _choose([1.0, 1.01, 1.02, 1.03], np.full((4, 3), 0.9)) == 3
+
+
+def test_drafting_must_beat_plain_decoding_by_the_margin():
+  # k=1 is expected to be 3% faster than plain decoding: taken without a margin, not with 5%.
+  cost, alpha = [1.0, 1.5, 3.0, 4.0], np.full((4, 3), 0.545)
+  assert _choose(cost, alpha) == 1
+  e = A.expected_emitted(jnp.asarray(alpha, jnp.float32), jnp.ones((4,), bool))
+  assert int(A.choose_k(jnp.asarray(cost), e, 0.05)) == 0
+  assert int(A.choose_k(jnp.asarray(cost), e, 0.02)) == 1
+  rem = jnp.array([50, 50, 50, 50])
+  assert int(A.choose_k_to_finish(jnp.asarray(cost), jnp.asarray(alpha), jnp.ones((4,), bool),
+                                  rem)) == 1
+  assert int(A.choose_k_to_finish(jnp.asarray(cost), jnp.asarray(alpha), jnp.ones((4,), bool),
+                                  rem, 0.05)) == 0
 
 
 def test_argmax_matches_brute_force():
@@ -101,9 +116,11 @@ def test_k_changes_between_steps_without_recompiles_and_output_is_unchanged(trai
                                      "for i in range(10):\n", "x = {'a': 1}\n")]
   reqs = [api.Request(p, n) for p, n in zip(prompts, [30, 12, 40, 25, 33])]
   plain = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, k=0)).run(reqs)
-  dec = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, adaptive=True, ring_size=8))
+  dec = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, adaptive=True, ring_size=8,
+                                                          adapt_margin=0.0))
   # Each draft costs 1% more: with the tiny heads' low confidences (~0.02) the controller starts
-  # at k=1, then raises k as the ring shows drafts being accepted.
+  # at k=1 (no margin asked over plain decoding), then raises k as the ring shows drafts being
+  # accepted.
   dec.engine.cost = [1.0, 1.01, 1.02, 1.03, 1.04]
   dec.warmup(16)
   dec.run(reqs[:1])
@@ -160,3 +177,76 @@ def test_row_rates_shrink_towards_the_shared_estimate():
                                                                            [16.0, 16.0]]))
   # Row 0 accepted all of its 16 trials, row 1 none: halfway from the shared 0.5 each way.
   np.testing.assert_allclose(np.asarray(alpha), [[0.75, 0.75], [0.25, 0.25]], atol=1e-6)
+
+
+def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(trained_tiny):
+  """A plain segment drafts all heads at its end only as a probe; while probes lead to no
+  drafting the gap between them doubles (up to probe_every_max), and a drafting segment sets it
+  back to probe_every."""
+  _, workdir, _ = trained_tiny
+  mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
+  eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=1, adaptive=True, ring_size=8, adapt_every=2,
+                                          probe_every=2, probe_every_max=4),
+                 tok.eod_id)
+  state = eng.init_state()
+  pre = eng.prefill(params, [tok.encode("def f(x):\n")], jnp.stack([jax.random.key(0)]), [0.0],
+                    [0], [1.0])
+  state = eng.insert(pre, state, [0], [100], [0.0], [0], [1.0])
+  state = state.replace(cost=jnp.asarray([1.0] + [100.0] * eng.kd))   # drafting never pays
+  probes = []
+  for step in range(28):
+    state = eng.generate(params, state, 1)
+    if int(state.n_fresh[0]) > 0:
+      probes.append(step)
+  assert int(state.ring.verified.max()) == 0
+  # Segments of 2 steps; probes after 2, then 4, then 4 (the cap) plain segments.
+  assert probes == [3, 11, 19, 27], probes
+  assert int(state.probe_gap) == 4
+  # A plain call (the host's, no switch) leaves a probe due at the end of the next call's first
+  # segment; drafting made to pay even at the tiny heads' low acceptance, the second segment
+  # drafts.
+  state = eng.generate(params, state, 8, plain=True)
+  assert int(state.ring.verified.max()) == 0 and int(state.n_fresh[0]) == 0
+  state = state.replace(cost=jnp.asarray([1.0] + [0.9] * eng.kd))
+  state = eng.generate(params, state, 4)
+  assert int(state.ring.verified.max()) > 0 and int(state.probe_gap) == 2
+
+
+def test_host_runs_plain_chunks_while_the_controller_keeps_to_plain_decoding(trained_tiny):
+  """Chunks of plain decoding's own step (no switch) come in between adaptive chunks that chose
+  k=0 throughout, 1, 2, 4 ... at a time; the output is plain greedy decoding's, and serving
+  compiles nothing."""
+  _, workdir, _ = trained_tiny
+  mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
+  reqs = [api.Request(tok.encode(p), 100) for p in ("def f(x):\n", "import os\n")]
+  plain = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, k=0)).run(reqs)
+  dec = api.Decoder(mcfg, hcfg, params, tok,
+                    DecodeConfig(batch_size=2, adaptive=True, ring_size=8, adapt_every=2,
+                                 probe_every=2, probe_every_max=16))
+  dec.engine.cost = [1.0] + [100.0] * dec.engine.kd          # drafting never pays
+  dec.warmup(16)
+  dec.run(reqs[:1])                                             # host-side helpers warmed too
+  kinds = []
+  orig = dec.engine.generate
+  def spy(*a, **kw):
+    kinds.append(kw.get("plain", False))
+    return orig(*a, **kw)
+  dec.engine.generate = spy
+  counter = _Compiles()
+  logging.getLogger("jax").addHandler(counter)
+  try:
+    with jax.log_compiles(True):
+      out = dec.run(reqs)
+  finally:
+    logging.getLogger("jax").removeHandler(counter)
+  assert counter.n == 0
+  assert [c.token_ids for c in out] == [c.token_ids for c in plain]
+  # 13 chunks of 8 steps; the queue is empty, so a chunk's k is read one chunk late: adaptive,
+  # adaptive, then 1 plain, adaptive, 2 plain (the run doubles up to 16 * 2 / 8 = 4 chunks) ...
+  assert kinds[:2] == [False, False] and sum(kinds) >= len(kinds) // 2, kinds
+  # Drafting that pays: no plain chunks once the controller drafts.
+  dec.engine.cost = [1.0] + [0.5] * dec.engine.kd
+  kinds.clear()
+  out = dec.run(reqs)
+  assert [c.token_ids for c in out] == [c.token_ids for c in plain]
+  assert not any(kinds), kinds

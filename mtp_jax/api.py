@@ -209,6 +209,7 @@ class Decoder:
     # decoding's own step (no per-step switch) in between, 1, 2, 4, ... up to plain_max chunks
     # (the probe interval cap, in chunks), then an adaptive chunk again, whose probes tell
     # whether drafting pays by now; a chunk that drafts sets the run back to 1.
+    refill_rows = max(1, b // 8)
     plain_max = max(1, eng.cfg.probe_every_max * eng.cfg.adapt_every // eng.cfg.ring_size)
     plain_run, plain_left = 1, 0
     launched: list[bool] = []           # per chunk not yet collected: ran plain
@@ -240,7 +241,10 @@ class Decoder:
       plain = eng.cfg.adaptive and plain_left > 0
       plain_left -= plain
       launched.append(plain)
-      state = eng.generate(self.params, state, sample=sample, plain=plain)
+      # While requests wait, the chunk ends once refill_rows slots are free (not at once for
+      # one slot in a large batch: each refill is a host round trip).
+      state = eng.generate(self.params, state, sample=sample, plain=plain,
+                           refill=min(len(queue), refill_rows))
       hand_over()                       # detokenise and write while the chunk runs
       if drain.pending:
         collect(adapt_to(finish_drain()))

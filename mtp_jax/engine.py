@@ -665,10 +665,15 @@ class Engine:
                   adaptive.choose_k(state.cost, adaptive.expected_emitted(alpha, active), margin))
     return jnp.where(state.k_force >= 0, state.k_force, k)
 
-  def _generate_impl(self, params, state: DecodeState, num_steps, sample: bool,
+  def _generate_impl(self, params, state: DecodeState, num_steps, refill, sample: bool,
                      plain: bool = False):
     m, dm = self._bind(params)
-    not_done = lambda st: ~jnp.all(st.done)
+    # With refill > 0 (requests wait for slots), the call ends after the step in which the
+    # refill-th row finishes, so that the host refills the slots then rather than at the end of
+    # the chunk.
+    done0 = state.done
+    freed = lambda st: jnp.sum((st.done & ~done0).astype(jnp.int32))
+    not_done = lambda st: ~jnp.all(st.done) & ((refill == 0) | (freed(st) < refill))
 
     if not self.cfg.adaptive or plain:
       # A plain chunk of the adaptive engine is plain decoding's own step (the cache written in
@@ -729,17 +734,20 @@ class Engine:
                               (jnp.zeros((), jnp.int32), state, jnp.zeros((), jnp.int32)))[1]
 
   def generate(self, params, state: DecodeState, num_steps: int | None = None,
-               sample: bool | None = None, plain: bool = False) -> DecodeState:
+               sample: bool | None = None, plain: bool = False,
+               refill: int = 0) -> DecodeState:
     """Runs up to num_steps (<= ring capacity) steps; `state` is donated. plain (adaptive
     engines): plain decoding steps without the controller, compiled apart; the step is then
     exactly plain decoding's, without the adaptive loop's per-step switch (see
-    api.Decoder.run for when the host asks for it)."""
+    api.Decoder.run for when the host asks for it). refill > 0: stop after the step in which
+    the refill-th row finishes (requests wait for slots); not a compiled variant."""
     num_steps = self.cfg.ring_size if num_steps is None else num_steps
     if not 0 < num_steps <= self.cfg.ring_size:
       raise ValueError(f"num_steps={num_steps} must be in 1..ring_size={self.cfg.ring_size}")
     if sample is None:
       sample = needs_sampling(np.asarray(state.temperature), np.asarray(state.penalty))
-    return self._generate(params, state, jnp.asarray(num_steps, jnp.int32), sample=sample,
+    return self._generate(params, state, jnp.asarray(num_steps, jnp.int32),
+                          jnp.asarray(refill, jnp.int32), sample=sample,
                           plain=bool(plain and self.cfg.adaptive))
 
 

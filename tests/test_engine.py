@@ -208,3 +208,30 @@ def test_donated_state_is_deleted_after_generate(tiny_model):
   new = eng.generate(params, state, 2, sample=False)
   assert old.tokens.is_deleted() and old.cache.k[0].is_deleted()
   assert not new.tokens.is_deleted()
+
+
+def test_refill_ends_the_call_once_enough_rows_finish(tiny_model):
+  """generate(refill=n): the call stops after the step in which the n-th row finishes (requests
+  wait for those slots); refill=0 runs every step asked for."""
+  (mcfg, hcfg, params, tok), cfg = tiny_model
+  eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=3, k=0, ring_size=16), tok.eod_id)
+  prompts = _prompts(cfg, tok, 3, seed=3)
+
+  def fresh():
+    state = eng.init_state()
+    prefix = eng.prefill(params, prompts, jax.random.key(0), [0.0] * 3, [0] * 3, [1.0] * 3)
+    # Plain decoding, no end token in the way: row r finishes after max_new - 1 steps.
+    return eng.insert(prefix, state, [0, 1, 2], [4, 7, 40], [0.0] * 3, [0] * 3, [1.0] * 3)
+
+  state = eng.generate(params, fresh(), 16, sample=False)
+  assert int(state.step) == 16
+  done_at = {}
+  for refill in (1, 2):
+    state = eng.generate(params, fresh(), 16, sample=False, refill=refill)
+    done_at[refill] = int(state.step)
+    assert int(np.sum(np.asarray(state.done))) >= refill
+  eod = tok.eod_id
+  hit_eod = [eod in np.asarray(state.tokens)[r, len(p):].tolist() for r, p in enumerate(prompts)]
+  if not any(hit_eod[:2]):
+    assert done_at == {1: 3, 2: 6}, done_at
+  assert done_at[1] <= done_at[2] < 16

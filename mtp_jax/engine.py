@@ -572,7 +572,9 @@ class Engine:
     key, k_verify, k_draft = ks[:, 0], ks[:, 1], ks[:, 2]
     sp = (state.temperature, state.top_k, state.top_p, state.penalty)
     v = self.model_cfg.vocab_size
-    cut = k_row if self.cfg.confidence_threshold > 0 else None
+    # Rows verify only their fresh drafts (n_fresh, and the threshold's cut): a stale draft was
+    # proposed for another position.
+    cut = k_row if self.cfg.confidence_threshold > 0 or self.cfg.adaptive else None
     if sample:
       # Position j is verified against the history plus drafts 1..j.
       base = sampling.presence(state.tokens, length, v)
@@ -698,9 +700,9 @@ class Engine:
     # segments; the gap doubles after each probe that leads to no drafting (up to one chunk's
     # segments; beyond that the host runs plain chunks in between, see api.Decoder.run), since
     # a probe costs a drafting step's head work, and goes back to probe_every once a segment
-    # drafts. The branches only read the KV cache and return the
-    # step's new entries, written after the switch: a branch that wrote the cache itself would
-    # make XLA copy all of it on every step.
+    # drafts. The branches only read the KV cache and return the step's new entries, written
+    # after the switch: a branch that wrote the cache itself would make XLA copy all of it on
+    # every step.
     kd, every = self.kd, self.cfg.adapt_every
     # Past one chunk's worth of segments the host takes over the backing off (plain chunks).
     gap_max = min(self.cfg.probe_every_max,
@@ -725,9 +727,9 @@ class Engine:
       gap = jnp.where(k > 0, self.cfg.probe_every,
                       jnp.where(probe, jnp.minimum(2 * st.probe_gap, gap_max),
                                 st.probe_gap))
-      plain = jnp.where((k > 0) | probe, 0, st.plain_segs + 1)
+      n_plain = jnp.where((k > 0) | probe, 0, st.plain_segs + 1)
       new = new.replace(probe_gap=jnp.where(seg_end, gap, st.probe_gap),
-                        plain_segs=jnp.where(seg_end, plain, st.plain_segs))
+                        plain_segs=jnp.where(seg_end, n_plain, st.plain_segs))
       return i + 1, new, k
 
     return jax.lax.while_loop(lambda c: (c[0] < num_steps) & not_done(c[1]), body,

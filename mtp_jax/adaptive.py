@@ -62,19 +62,24 @@ def pooled_rates(hits_BK, trials_BK):
   return jnp.sum(hits_BK, 0) / jnp.maximum(n_trials, 1.0), n_trials
 
 
-def row_alpha(rate_K, trials_K, conf_BK, cut_B, row_hits_BK=None, row_trials_BK=None):
+def row_alpha(rate_K, trials_K, conf_BK, cut_B, row_hits_BK=None, row_trials_BK=None,
+              prior_K=None):
   """Per row and position, the estimated acceptance probability (0 past the row's cut).
 
   Each position blends its windowed rate with a prior, by the number of trials it had: the
   prior of position 1 is the head's confidence in this step's draft, that of a later position is
   the estimate of the position before it (so a position never tried yet is expected to do as
-  well as the last one tried, and gets tried when that pays). With the row's own window counts,
-  that estimate is in turn the prior of the row's own rate (rows differ: some text is easier to
-  draft than other).
+  well as the last one tried, and gets tried when that pays). prior_K (rates measured by earlier
+  runs of the same decoder; < 0 where unknown) replaces that prior where known: the heads'
+  confidence tends to understate how often greedy drafts are accepted. With the row's own window
+  counts, that estimate is in turn the prior of the row's own rate (rows differ: some text is
+  easier to draft than other).
   """
   lam = trials_K / (trials_K + PRIOR_TRIALS)
   cols, prior = [], conf_BK[:, 0]
   for i in range(conf_BK.shape[1]):
+    if prior_K is not None:
+      prior = jnp.where(prior_K[i] >= 0, prior_K[i], prior)
     a = lam[i] * rate_K[i] + (1.0 - lam[i]) * prior
     cols.append(a)
     prior = a
@@ -83,6 +88,18 @@ def row_alpha(rate_K, trials_K, conf_BK, cut_B, row_hits_BK=None, row_trials_BK=
     alpha = (row_hits_BK + PRIOR_TRIALS * alpha) / (row_trials_BK + PRIOR_TRIALS)
   pos = jnp.arange(conf_BK.shape[1])[None]
   return jnp.where(pos < cut_B[:, None], jnp.clip(alpha, 0.0, 1.0), 0.0)
+
+
+def run_rates(drafted_K, accepted_K, min_trials: int = 16) -> list[float]:
+  """Per draft position, the conditional acceptance rate of a finished run from its counters
+  (DecodeState.drafted / accepted): accepted[i] / accepted[i-1] (accepted[0] / drafted[0]), -1
+  where fewer than min_trials drafts were verified there. Host side; the next run's prior."""
+  out, reached = [], None
+  for d, a in zip(np.asarray(drafted_K, float), np.asarray(accepted_K, float)):
+    base = d if reached is None else min(reached, d)
+    out.append(float(np.clip(a / base, 0.0, 1.0)) if d >= min_trials and base > 0 else -1.0)
+    reached = a
+  return out
 
 
 def row_expected(alpha_BK):

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp_jax import adaptive
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config as config_lib
 from mtp_jax import engine as engine_lib
@@ -67,6 +68,7 @@ class Decoder:
                                     None if draft is None else draft[:2], mesh=mesh)
     self.seed = seed
     self.last_stats: dict = {}
+    self._prior: list[float] | None = None   # acceptance per draft position of the last run
     self.last_timing: dict = {}
 
   @classmethod
@@ -123,6 +125,8 @@ class Decoder:
     wait = [0.0]                       # seconds blocked on the device (for host overhead)
     ttft = [0.0] * len(requests)
     state = eng.init_state(self.seed)
+    if eng.cfg.adaptive and self._prior is not None:
+      state = state.replace(prior_rate=jnp.asarray(self._prior, jnp.float32))
     base_key = jax.random.key(self.seed)
     drain = ring_lib.Drain()
     queue = list(range(len(requests)))[::-1]
@@ -256,6 +260,10 @@ class Decoder:
       collect(adapt_to(finish_drain()))
     hand_over()
     self.last_stats = engine_lib.stats(state)
+    if eng.cfg.adaptive:     # the acceptance this run saw: the next run's prior (adaptive k)
+      rates = adaptive.run_rates(self.last_stats["drafted"], self.last_stats["accepted"])
+      if self._prior is None or max(rates) >= 0:
+        self._prior = [r if r >= 0 else p for r, p in zip(rates, self._prior or rates)]
     self.last_timing = {"wall_s": time.perf_counter() - t_start, "wait_s": wait[0]}
     return results
 

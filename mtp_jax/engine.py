@@ -63,9 +63,11 @@ class DecodeState:
   k_force: jax.Array       # [] -1: the controller chooses k; else this k (calibration)
   closed: jax.Array        # [] bool: no request waits for a slot (the controller then aims at
                            # the end of the job rather than tokens per second; see adaptive.py)
-  probe_gap: jax.Array     # [] plain segments between probes (doubles while probes find
-                           # nothing worth drafting; back to probe_every once k > 0)
+  probe_gap: jax.Array     # [] plain segments between probes (probe_every at the start,
+                           # doubling while probes find nothing worth drafting; 1 after k > 0)
   plain_segs: jax.Array    # [] plain segments ended since the last probe or drafting segment
+  prior_rate: jax.Array    # [Kd] acceptance per draft position from earlier runs (-1: unknown;
+                           # the controller's prior before the ring has counts)
 
 
 @struct.dataclass
@@ -167,7 +169,7 @@ class Engine:
         drafted=jnp.zeros((kd,), jnp.int32), accepted=jnp.zeros((kd,), jnp.int32),
         cost=jnp.asarray(self.cost, jnp.float32), k_force=jnp.asarray(-1, jnp.int32),
         closed=jnp.asarray(False), probe_gap=jnp.asarray(self.cfg.probe_every, jnp.int32),
-        plain_segs=jnp.zeros((), jnp.int32))
+        plain_segs=jnp.zeros((), jnp.int32), prior_rate=jnp.full((kd,), -1.0, jnp.float32))
 
   def bucket(self, n: int) -> int:
     """The prefill bucket (a power of two >= min_bucket, at most max_len - k - 1) for n tokens."""
@@ -658,7 +660,7 @@ class Engine:
     rate, trials = adaptive.pooled_rates(hits_b, trials_b)
     # Stale drafts (past a row's fresh ones) are expected to accept nothing.
     alpha = adaptive.row_alpha(rate, trials, state.draft_conf, self.row_limit(state), hits_b,
-                               trials_b)
+                               trials_b, state.prior_rate)
     active = ~state.done
     margin = self.cfg.adapt_margin
     k = jnp.where(state.closed,
@@ -699,8 +701,8 @@ class Engine:
     # confidences when acceptance may have recovered). Probes come every probe_gap plain
     # segments; the gap doubles after each probe that leads to no drafting (up to one chunk's
     # segments; beyond that the host runs plain chunks in between, see api.Decoder.run), since
-    # a probe costs a drafting step's head work, and goes back to probe_every once a segment
-    # drafts. The branches only read the KV cache and return the step's new entries, written
+    # a probe costs a drafting step's head work; after a drafting segment it is 1 (the first
+    # plain segment probes, so that a turn to plain decoding is checked again at once). The branches only read the KV cache and return the step's new entries, written
     # after the switch: a branch that wrote the cache itself would make XLA copy all of it on
     # every step.
     kd, every = self.kd, self.cfg.adapt_every
@@ -724,7 +726,7 @@ class Engine:
       new = new.replace(cache=kv.write_layers(st.cache, new_kv, st.length - 1))
       if not sample:
         new = new.replace(draft_logq=st.draft_logq)
-      gap = jnp.where(k > 0, self.cfg.probe_every,
+      gap = jnp.where(k > 0, 1,
                       jnp.where(probe, jnp.minimum(2 * st.probe_gap, gap_max),
                                 st.probe_gap))
       n_plain = jnp.where((k > 0) | probe, 0, st.plain_segs + 1)

@@ -182,7 +182,7 @@ def test_row_rates_shrink_towards_the_shared_estimate():
 def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(trained_tiny):
   """A plain segment drafts all heads at its end only as a probe; while probes lead to no
   drafting the gap between them doubles (up to probe_every_max), and a drafting segment sets it
-  back to probe_every."""
+  to 1 (the next plain segment probes)."""
   _, workdir, _ = trained_tiny
   mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
   eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=1, adaptive=True, ring_size=8, adapt_every=2,
@@ -209,7 +209,7 @@ def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(
   assert int(state.ring.verified.max()) == 0 and int(state.n_fresh[0]) == 0
   state = state.replace(cost=jnp.asarray([1.0] + [0.9] * eng.kd))
   state = eng.generate(params, state, 4)
-  assert int(state.ring.verified.max()) > 0 and int(state.probe_gap) == 2
+  assert int(state.ring.verified.max()) > 0 and int(state.probe_gap) == 1
 
 
 def test_host_runs_plain_chunks_while_the_controller_keeps_to_plain_decoding(trained_tiny):
@@ -250,3 +250,18 @@ def test_host_runs_plain_chunks_while_the_controller_keeps_to_plain_decoding(tra
   out = dec.run(reqs)
   assert [c.token_ids for c in out] == [c.token_ids for c in plain]
   assert not any(kinds), kinds
+
+
+def test_rates_of_a_run_become_the_next_runs_prior():
+  # 100 drafts verified at every position; 80 accepted at the first, 60 reached and accepted the
+  # second (conditional 0.75), 30 the third (0.5); a position with too few trials is unknown.
+  assert A.run_rates([100, 100, 100], [80, 60, 30]) == [0.8, 0.75, 0.5]
+  assert A.run_rates([100, 10], [80, 5]) == [0.8, -1.0]
+  conf = jnp.full((2, 3), 0.3)
+  no_trials = jnp.zeros((3,))
+  alpha = A.row_alpha(jnp.zeros((3,)), no_trials, conf, jnp.array([3, 3]),
+                      prior_K=jnp.asarray([0.9, 0.8, -1.0]))
+  # Known positions take the prior, an unknown one the estimate before it.
+  np.testing.assert_allclose(np.asarray(alpha), [[0.9, 0.8, 0.8]] * 2, atol=1e-6)
+  alpha = A.row_alpha(jnp.zeros((3,)), no_trials, conf, jnp.array([3, 3]))
+  np.testing.assert_allclose(np.asarray(alpha), np.full((2, 3), 0.3), atol=1e-6)

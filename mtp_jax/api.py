@@ -126,7 +126,8 @@ class Decoder:
     ttft = [0.0] * len(requests)
     state = eng.init_state(self.seed)
     if eng.cfg.adaptive and self._prior is not None:
-      state = state.replace(prior_rate=jnp.asarray(self._prior, jnp.float32))
+      state = state.replace(prior_rate=jax.device_put(np.asarray(self._prior, np.float32),
+                                                      state.prior_rate.sharding))
     base_key = jax.random.key(self.seed)
     drain = ring_lib.Drain()
     queue = list(range(len(requests)))[::-1]
@@ -209,24 +210,27 @@ class Decoder:
           on_done(r, results[r])
       finished.clear()
 
-    # Adaptive k: while the controller keeps to plain decoding, the host runs chunks of plain
-    # decoding's own step (no per-step switch) in between, 1, 2, 4, ... up to plain_max chunks
-    # (the probe interval cap, in chunks), then an adaptive chunk again, whose probes tell
-    # whether drafting pays by now; a chunk that drafts sets the run back to 1.
+    # Adaptive k: while the controller keeps to one k (plain decoding at large batch, all heads
+    # at small), the host runs chunks of that k's own step (no per-step switch) in between, 1,
+    # 2, 4, ... up to steady_max chunks (the probe interval cap, in chunks), then an adaptive
+    # chunk again, which re-decides (after k=0 chunks it probes at once); a chunk that mixes k
+    # sets the run back to 1.
     refill_rows = max(1, b // 8)
-    plain_max = max(1, eng.cfg.probe_every_max * eng.cfg.adapt_every // eng.cfg.ring_size)
-    plain_run, plain_left = 1, 0
-    launched: list[bool] = []           # per chunk not yet collected: ran plain
+    steady_max = max(1, eng.cfg.probe_every_max * eng.cfg.adapt_every // eng.cfg.ring_size)
+    steady = {"k": -1, "run": 1, "left": 0}
+    launched: list[int] = []            # per chunk not yet collected: its steady k, or -1
 
     def adapt_to(records):
-      """Reads a drained chunk's k: sets how many plain chunks come next."""
-      nonlocal plain_run, plain_left
-      if not launched.pop(0) and eng.cfg.adaptive:
+      """Reads a drained adaptive chunk's k: sets the steady chunks that come next."""
+      if launched.pop(0) < 0 and eng.cfg.adaptive:
         k_used, active = records[2], records[3]
-        if np.all(k_used[active > 0] == 0):
-          plain_left, plain_run = plain_run, min(2 * plain_run, plain_max)
+        ks = set(k_used[active > 0].tolist()) or {0}
+        k = ks.pop() if len(ks) == 1 else -1
+        if k in eng.steady_ks() and k >= 0:
+          run = steady["run"] if k == steady["k"] else 1
+          steady.update(k=k, left=run, run=min(2 * run, steady_max))
         else:
-          plain_left, plain_run = 0, 1
+          steady.update(k=-1, left=0, run=1)
       return records
 
     # While requests wait, a finished row is refilled right after its chunk, so the host reads
@@ -242,12 +246,12 @@ class Decoder:
         closed = not queue
         state = state.replace(closed=jnp.asarray(closed))
       sample = bool(np.any(sampled & (np.asarray(slot_req) >= 0)))
-      plain = eng.cfg.adaptive and plain_left > 0
-      plain_left -= plain
-      launched.append(plain)
+      k_steady = steady["k"] if steady["left"] > 0 else -1
+      steady["left"] -= k_steady >= 0
+      launched.append(k_steady)
       # While requests wait, the chunk ends once refill_rows slots are free (not at once for
       # one slot in a large batch: each refill is a host round trip).
-      state = eng.generate(self.params, state, sample=sample, plain=plain,
+      state = eng.generate(self.params, state, sample=sample, steady=k_steady,
                            refill=min(len(queue), refill_rows))
       hand_over()                       # detokenise and write while the chunk runs
       if drain.pending:

@@ -133,7 +133,7 @@ class Engine:
     out = self.state_sharding
     self._prefill = jax.jit(self._prefill_impl, static_argnames=("sample",))
     self._insert = jax.jit(self._insert_impl, donate_argnames=("state",), out_shardings=out)
-    self._generate = jax.jit(self._generate_impl, static_argnames=("sample", "plain"),
+    self._generate = jax.jit(self._generate_impl, static_argnames=("sample", "steady"),
                              donate_argnames=("state",), out_shardings=out)
     self._cancel = jax.jit(lambda state, mask: state.replace(done=state.done | mask),
                            donate_argnums=0, out_shardings=out)
@@ -218,8 +218,8 @@ class Engine:
           state = self.insert(prefix, state, list(range(n)), [2] * n, [t] * n, [0] * n,
                               [1.0] * n, [1.0] * n)
     for sample in (False, True):
-      for plain in sorted({False, self.cfg.adaptive}):
-        state = self.generate(params, state, 1, sample=sample, plain=plain)
+      for steady in self.steady_ks():
+        state = self.generate(params, state, 1, sample=sample, steady=steady)
     state = self.cancel(state, np.zeros((self.cfg.batch_size,), bool))
     jax.block_until_ready(state)
     return len(buckets)
@@ -670,7 +670,7 @@ class Engine:
     return jnp.where(state.k_force >= 0, state.k_force, k)
 
   def _generate_impl(self, params, state: DecodeState, num_steps, refill, sample: bool,
-                     plain: bool = False):
+                     steady: int = -1):
     m, dm = self._bind(params)
     # With refill > 0 (requests wait for slots), the call ends after the step in which the
     # refill-th row finishes, so that the host refills the slots then rather than at the end of
@@ -679,10 +679,10 @@ class Engine:
     freed = lambda st: jnp.sum((st.done & ~done0).astype(jnp.int32))
     not_done = lambda st: ~jnp.all(st.done) & ((refill == 0) | (freed(st) < refill))
 
-    if not self.cfg.adaptive or plain:
-      # A plain chunk of the adaptive engine is plain decoding's own step (the cache written in
-      # place, no switch, nothing drafted), chosen by the host while the controller keeps to k=0.
-      k, nd = (0, 0) if plain else (self.kd, None)
+    if not self.cfg.adaptive or steady >= 0:
+      # A steady chunk of the adaptive engine runs a fixed k's own step (the cache written in
+      # place, no switch), chosen by the host while the controller keeps to that k.
+      k, nd = (steady, steady) if steady >= 0 else (self.kd, None)
 
       def body(carry):
         i, st = carry
@@ -691,7 +691,7 @@ class Engine:
                                (jnp.zeros((), jnp.int32), state))[1]
       # Nothing was drafted: the next adaptive call probes at the end of its first segment, so
       # that the controller acts on fresh drafts within that call.
-      return out.replace(plain_segs=out.probe_gap - 1) if plain else out
+      return out.replace(plain_segs=out.probe_gap - 1) if steady == 0 else out
 
     # Adaptive k: the controller chooses k at the start of each segment of adapt_every steps,
     # and every step runs the compiled variant for its (k, drafts to make) through lax.switch.
@@ -700,13 +700,13 @@ class Engine:
     # except all Kd at the last step of a probe segment (so that the controller sees fresh
     # confidences when acceptance may have recovered). Probes come every probe_gap plain
     # segments; the gap doubles after each probe that leads to no drafting (up to one chunk's
-    # segments; beyond that the host runs plain chunks in between, see api.Decoder.run), since
-    # a probe costs a drafting step's head work; after a drafting segment it is 1 (the first
+    # segments; beyond that the host runs steady k=0 chunks in between, see api.Decoder.run),
+    # since a probe costs a drafting step's head work; after a drafting segment it is 1 (the first
     # plain segment probes, so that a turn to plain decoding is checked again at once). The branches only read the KV cache and return the step's new entries, written
     # after the switch: a branch that wrote the cache itself would make XLA copy all of it on
     # every step.
     kd, every = self.kd, self.cfg.adapt_every
-    # Past one chunk's worth of segments the host takes over the backing off (plain chunks).
+    # Past one chunk's worth of segments the host takes over the backing off (k=0 chunks).
     gap_max = min(self.cfg.probe_every_max,
                   max(self.cfg.probe_every, self.cfg.ring_size // every))
     variants = [(k, nd) for k in range(kd + 1) for nd in sorted({k, kd})]
@@ -737,22 +737,29 @@ class Engine:
     return jax.lax.while_loop(lambda c: (c[0] < num_steps) & not_done(c[1]), body,
                               (jnp.zeros((), jnp.int32), state, jnp.zeros((), jnp.int32)))[1]
 
+  def steady_ks(self) -> list[int]:
+    """The k with a compiled steady variant of generate (-1: the engine's own loop)."""
+    return sorted({-1, 0, self.kd}) if self.cfg.adaptive else [-1]
+
   def generate(self, params, state: DecodeState, num_steps: int | None = None,
-               sample: bool | None = None, plain: bool = False,
+               sample: bool | None = None, steady: int = -1,
                refill: int = 0) -> DecodeState:
-    """Runs up to num_steps (<= ring capacity) steps; `state` is donated. plain (adaptive
-    engines): plain decoding steps without the controller, compiled apart; the step is then
-    exactly plain decoding's, without the adaptive loop's per-step switch (see
-    api.Decoder.run for when the host asks for it). refill > 0: stop after the step in which
-    the refill-th row finishes (requests wait for slots); not a compiled variant."""
+    """Runs up to num_steps (<= ring capacity) steps; `state` is donated. steady (adaptive
+    engines; one of steady_ks()): steps with that fixed k and no controller, compiled apart,
+    exactly a fixed-k engine's step without the adaptive loop's per-step switch (the host asks
+    for them while the controller keeps to one k, see api.Decoder.run); k = 0 is plain
+    decoding. refill > 0: stop after the step in which the refill-th row finishes (requests
+    wait for slots); not a compiled variant."""
     num_steps = self.cfg.ring_size if num_steps is None else num_steps
     if not 0 < num_steps <= self.cfg.ring_size:
       raise ValueError(f"num_steps={num_steps} must be in 1..ring_size={self.cfg.ring_size}")
+    if steady not in self.steady_ks():
+      raise ValueError(f"steady={steady} must be one of {self.steady_ks()}")
     if sample is None:
       sample = needs_sampling(np.asarray(state.temperature), np.asarray(state.penalty))
     return self._generate(params, state, jnp.asarray(num_steps, jnp.int32),
                           jnp.asarray(refill, jnp.int32), sample=sample,
-                          plain=bool(plain and self.cfg.adaptive))
+                          steady=steady if self.cfg.adaptive else -1)
 
 
 def tree_bytes(tree) -> int:

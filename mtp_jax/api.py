@@ -266,7 +266,7 @@ class Decoder:
     self.last_stats = engine_lib.stats(state)
     if eng.cfg.adaptive:     # the acceptance this run saw: the next run's prior (adaptive k)
       rates = adaptive.run_rates(self.last_stats["drafted"], self.last_stats["accepted"])
-      if self._prior is None or max(rates) >= 0:
+      if self._prior is None or max(rates, default=-1.0) >= 0:
         self._prior = [r if r >= 0 else p for r, p in zip(rates, self._prior or rates)]
     self.last_timing = {"wall_s": time.perf_counter() - t_start, "wait_s": wait[0]}
     return results

@@ -62,10 +62,19 @@ def pooled_rates(hits_BK, trials_BK):
   return jnp.sum(hits_BK, 0) / jnp.maximum(n_trials, 1.0), n_trials
 
 
+def other_rows_rates(hits_BK, trials_BK):
+  """Per row, the window counts of all the other rows pooled -> (rate [B, K], trials [B, K]):
+  the shared estimate a row's own counts are then weighed against (row_alpha), without counting
+  them twice (at one slot there is no other row, and the prior alone is the shared estimate)."""
+  n_trials = jnp.sum(trials_BK, 0) - trials_BK
+  return (jnp.sum(hits_BK, 0) - hits_BK) / jnp.maximum(n_trials, 1.0), n_trials
+
+
 def row_alpha(rate_K, trials_K, conf_BK, cut_B, row_hits_BK=None, row_trials_BK=None,
               prior_K=None):
   """Per row and position, the estimated acceptance probability (0 past the row's cut).
 
+  rate_K, trials_K: the shared windowed rates ([K], or [B, K] per row: see other_rows_rates).
   Each position blends its windowed rate with a prior, by the number of trials it had: the
   prior of position 1 is the head's confidence in this step's draft, that of a later position is
   the estimate of the position before it (so a position never tried yet is expected to do as
@@ -80,7 +89,7 @@ def row_alpha(rate_K, trials_K, conf_BK, cut_B, row_hits_BK=None, row_trials_BK=
   for i in range(conf_BK.shape[1]):
     if prior_K is not None:
       prior = jnp.where(prior_K[i] >= 0, prior_K[i], prior)
-    a = lam[i] * rate_K[i] + (1.0 - lam[i]) * prior
+    a = lam[..., i] * rate_K[..., i] + (1.0 - lam[..., i]) * prior
     cols.append(a)
     prior = a
   alpha = jnp.stack(cols, 1)

@@ -210,32 +210,10 @@ class Decoder:
           on_done(r, results[r])
       finished.clear()
 
-    # Adaptive k: while the controller keeps to one k (plain decoding at large batch, all heads
-    # at small), the host runs chunks of that k's own step (no per-step switch) in between, 1,
-    # 2, 4, ... up to steady_max chunks (the probe interval cap, in chunks), then an adaptive
-    # chunk again, which re-decides (after k=0 chunks it probes at once); a chunk that mixes k
-    # sets the run back to 1.
-    refill_rows = max(1, b // 8)
-    steady_max = max(1, eng.cfg.probe_every_max * eng.cfg.adapt_every // eng.cfg.ring_size)
-    steady = {"k": -1, "run": 1, "left": 0}
-    launched: list[int] = []            # per chunk not yet collected: its steady k, or -1
-
-    def adapt_to(records):
-      """Reads a drained adaptive chunk's k: sets the steady chunks that come next."""
-      if launched.pop(0) < 0 and eng.cfg.adaptive:
-        k_used, active = records[2], records[3]
-        ks = set(k_used[active > 0].tolist()) or {0}
-        k = ks.pop() if len(ks) == 1 else -1
-        if k in eng.steady_ks() and k >= 0:
-          run = steady["run"] if k == steady["k"] else 1
-          steady.update(k=k, left=run, run=min(2 * run, steady_max))
-        else:
-          steady.update(k=-1, left=0, run=1)
-      return records
-
     # While requests wait, a finished row is refilled right after its chunk, so the host reads
     # each chunk before launching the next. Once the queue is empty nothing needs refilling: the
     # next chunk is launched first and the previous one drained while the device runs it.
+    refill_rows = max(1, b // 8)
     state = fill(state)
     closed = None           # adaptive k: no request waits, so only the end of the job counts
     while any(r >= 0 for r in slot_req):
@@ -246,22 +224,19 @@ class Decoder:
         closed = not queue
         state = state.replace(closed=jnp.asarray(closed))
       sample = bool(np.any(sampled & (np.asarray(slot_req) >= 0)))
-      k_steady = steady["k"] if steady["left"] > 0 else -1
-      steady["left"] -= k_steady >= 0
-      launched.append(k_steady)
       # While requests wait, the chunk ends once refill_rows slots are free (not at once for
       # one slot in a large batch: each refill is a host round trip).
-      state = eng.generate(self.params, state, sample=sample, steady=k_steady,
+      state = eng.generate(self.params, state, sample=sample,
                            refill=min(len(queue), refill_rows))
       hand_over()                       # detokenise and write while the chunk runs
       if drain.pending:
-        collect(adapt_to(finish_drain()))
+        collect(finish_drain())
       drain.start(state.ring, state.step, state.done, state.row_steps)
       if queue or not any(r >= 0 for r in slot_req):
-        collect(adapt_to(finish_drain()))
+        collect(finish_drain())
         state = fill(state)
     if drain.pending:
-      collect(adapt_to(finish_drain()))
+      collect(finish_drain())
     hand_over()
     self.last_stats = engine_lib.stats(state)
     if eng.cfg.adaptive:     # the acceptance this run saw: the next run's prior (adaptive k)

@@ -46,9 +46,3 @@ def write(buf_BSGH: jax.Array, new_BTGH: jax.Array, start_B: jax.Array) -> jax.A
   def one(buf_SGH, new_TGH, start):
     return jax.lax.dynamic_update_slice(buf_SGH, new_TGH.astype(buf_SGH.dtype), (start, 0, 0))
   return jax.vmap(one)(buf_BSGH, new_BTGH, start_B)
-
-
-def write_layers(cache: KVCache, new: KVCache, start_B: jax.Array) -> KVCache:
-  """write() for every layer: new holds [B, T, G, H] per layer."""
-  return KVCache(k=tuple(write(c, n, start_B) for c, n in zip(cache.k, new.k)),
-                 v=tuple(write(c, n, start_B) for c, n in zip(cache.v, new.v)))

@@ -236,8 +236,8 @@ class DecodeConfig:
                                     # a plain segment) after this many plain segments
   adapt_margin: float = 0.05        # adaptive: draft only when expected to beat plain by this
   probe_every_max: int = 64         # adaptive: the probe interval (in segments) doubles after
-                                    # each probe that leads to no drafting, up to this (past
-                                    # one generate call, as whole plain calls)
+                                    # each probe that leads to no drafting, up to this (it
+                                    # carries across generate calls)
   prefill_rows: int = 8             # prompts prefilled per call when several slots are free
   drafter: str = "heads"            # heads (MTP) | ngram (prompt lookup) | model (a draft model)
   reuse_module: bool = False        # sequential heads: draft k tokens with module 1 applied k times

@@ -133,7 +133,7 @@ class Engine:
     out = self.state_sharding
     self._prefill = jax.jit(self._prefill_impl, static_argnames=("sample",))
     self._insert = jax.jit(self._insert_impl, donate_argnames=("state",), out_shardings=out)
-    self._generate = jax.jit(self._generate_impl, static_argnames=("sample", "steady"),
+    self._generate = jax.jit(self._generate_impl, static_argnames=("sample",),
                              donate_argnames=("state",), out_shardings=out)
     self._cancel = jax.jit(lambda state, mask: state.replace(done=state.done | mask),
                            donate_argnums=0, out_shardings=out)
@@ -218,8 +218,7 @@ class Engine:
           state = self.insert(prefix, state, list(range(n)), [2] * n, [t] * n, [0] * n,
                               [1.0] * n, [1.0] * n)
     for sample in (False, True):
-      for steady in self.steady_ks():
-        state = self.generate(params, state, 1, sample=sample, steady=steady)
+      state = self.generate(params, state, 1, sample=sample)
     state = self.cancel(state, np.zeros((self.cfg.batch_size,), bool))
     jax.block_until_ready(state)
     return len(buckets)
@@ -539,23 +538,14 @@ class Engine:
 
   def step(self, m, state: DecodeState, k: int, sample: bool, n_draft: int | None = None,
            dm=None) -> DecodeState:
-    """One draft-and-verify step (see _step), its K/V written into the cache."""
-    return self._step(m, state, k, sample, n_draft, dm)[0]
-
-  def _step(self, m, state: DecodeState, k: int, sample: bool, n_draft: int | None = None,
-            dm=None, defer: bool = False):
-    """One draft-and-verify step with k drafts (static), for all rows. With a confidence
-    threshold, a row verifies only its drafts before the first one its head doubts; a row never
-    verifies more than its fresh drafts (n_fresh).
+    """One draft-and-verify step with k drafts (static), for all rows, its K/V written into the
+    cache. With a confidence threshold, a row verifies only its drafts before the first one its
+    head doubts; a row never verifies more than its fresh drafts (n_fresh).
 
     n_draft (default Kd): drafts to make for the next step. The adaptive loop drafts only what
     the next step may verify (none in a plain segment, so that choosing k = 0 costs what plain
     decoding costs; k in a segment of k, all Kd at its end); the drafts not made keep their old
     values with zero confidence and are not fresh.
-
-    -> (the new state, None); with defer, the trunk's cache is only read: -> (the new state
-    without its cache, the K/V of the step's k+1 positions (from length-1), padded to Kd+1
-    positions, for the caller to write).
     """
     nd = self.kd if n_draft is None else n_draft
     length = state.length
@@ -564,11 +554,7 @@ class Engine:
     k_row = jnp.minimum(self.row_limit(state), k)
     inp = jnp.concatenate([last, drafts], axis=1)                       # [B, k+1]
     pos = (length - 1)[:, None] + jnp.arange(k + 1)[None]
-    h, new_kv = m(inp, pos, state.cache, defer=defer)
-    cache = None if defer else new_kv
-    if defer and k < self.kd:   # one shape for every k (the entries past k+1 are never read)
-      pad = lambda x: jnp.pad(x, ((0, 0), (0, self.kd - k), (0, 0), (0, 0)))
-      new_kv = kv.KVCache(k=tuple(map(pad, new_kv.k)), v=tuple(map(pad, new_kv.v)))
+    h, cache = m(inp, pos, state.cache)
     logits = m.logits(h)                                                # [B, k+1, V]
     ks = sampling.split_rows(state.key, 3)                              # per-row streams
     key, k_verify, k_draft = ks[:, 0], ks[:, 1], ks[:, 2]
@@ -641,7 +627,7 @@ class Engine:
         step=state.step + 1,
         row_steps=state.row_steps + active.astype(jnp.int32),
         row_emitted=state.row_emitted + n_emit, drafted=drafted,
-        accepted=accepted), (new_kv if defer else None)
+        accepted=accepted)
 
   def row_limit(self, state: DecodeState):
     """Per row, the drafts it may verify: its fresh drafts, cut before the first one whose
@@ -657,7 +643,7 @@ class Engine:
     """The controller: k for the next step, on the device (see adaptive.py)."""
     hits_b, trials_b = adaptive.row_window(state.ring, state.step, self.cfg.accept_window,
                                            self.kd)
-    rate, trials = adaptive.pooled_rates(hits_b, trials_b)
+    rate, trials = adaptive.other_rows_rates(hits_b, trials_b)
     # Stale drafts (past a row's fresh ones) are expected to accept nothing.
     alpha = adaptive.row_alpha(rate, trials, state.draft_conf, self.row_limit(state), hits_b,
                                trials_b, state.prior_rate)
@@ -669,8 +655,7 @@ class Engine:
                   adaptive.choose_k(state.cost, adaptive.expected_emitted(alpha, active), margin))
     return jnp.where(state.k_force >= 0, state.k_force, k)
 
-  def _generate_impl(self, params, state: DecodeState, num_steps, refill, sample: bool,
-                     steady: int = -1):
+  def _generate_impl(self, params, state: DecodeState, num_steps, refill, sample: bool):
     m, dm = self._bind(params)
     # With refill > 0 (requests wait for slots), the call ends after the step in which the
     # refill-th row finishes, so that the host refills the slots then rather than at the end of
@@ -679,87 +664,71 @@ class Engine:
     freed = lambda st: jnp.sum((st.done & ~done0).astype(jnp.int32))
     not_done = lambda st: ~jnp.all(st.done) & ((refill == 0) | (freed(st) < refill))
 
-    if not self.cfg.adaptive or steady >= 0:
-      # A steady chunk of the adaptive engine runs a fixed k's own step (the cache written in
-      # place, no switch), chosen by the host while the controller keeps to that k.
-      k, nd = (steady, steady) if steady >= 0 else (self.kd, None)
-
+    if not self.cfg.adaptive:
       def body(carry):
         i, st = carry
-        return i + 1, self.step(m, st, k, sample, nd, dm=dm)
-      out = jax.lax.while_loop(lambda c: (c[0] < num_steps) & not_done(c[1]), body,
-                               (jnp.zeros((), jnp.int32), state))[1]
-      # Nothing was drafted: the next adaptive call probes at the end of its first segment, so
-      # that the controller acts on fresh drafts within that call.
-      return out.replace(plain_segs=out.probe_gap - 1) if steady == 0 else out
+        return i + 1, self.step(m, st, self.kd, sample, dm=dm)
+      return jax.lax.while_loop(lambda c: (c[0] < num_steps) & not_done(c[1]), body,
+                                (jnp.zeros((), jnp.int32), state))[1]
 
-    # Adaptive k: the controller chooses k at the start of each segment of adapt_every steps,
-    # and every step runs the compiled variant for its (k, drafts to make) through lax.switch.
-    # A step drafts only what the next step may verify: k inside a segment of k, and all Kd at
-    # its last step, so that the next segment may choose any k; a plain segment drafts nothing,
-    # except all Kd at the last step of a probe segment (so that the controller sees fresh
-    # confidences when acceptance may have recovered). Probes come every probe_gap plain
-    # segments; the gap doubles after each probe that leads to no drafting (up to one chunk's
-    # segments; beyond that the host runs steady k=0 chunks in between, see api.Decoder.run),
-    # since a probe costs a drafting step's head work; after a drafting segment it is 1 (the first
-    # plain segment probes, so that a turn to plain decoding is checked again at once). The branches only read the KV cache and return the step's new entries, written
-    # after the switch: a branch that wrote the cache itself would make XLA copy all of it on
-    # every step.
+    # Adaptive k: the controller chooses k at the start of each segment of adapt_every steps
+    # (and at the start of a call, which may begin inside a segment). A step drafts only what
+    # the next step may verify: k inside a segment of k, and all Kd at its last step, so that
+    # the next segment may choose any k; a plain segment drafts nothing, except all Kd at the
+    # last step of a probe segment (so that the controller sees fresh confidences when
+    # acceptance may have recovered). Probes come every probe_gap plain segments; the gap
+    # doubles after each probe that leads to no drafting (up to probe_every_max), since a probe
+    # costs a drafting step's head work; after a drafting segment it is 1 (the first plain
+    # segment probes, so that a turn to plain decoding is checked again at once).
+    #
+    # A segment runs one while_loop per compiled variant (k, drafts to make), in a fixed order;
+    # the loops of the variants not chosen run no step. Unlike lax.switch, whose branches XLA
+    # gives a copy of every buffer they update (the whole KV cache, on every call of the
+    # switch), a while_loop updates its carry in place: each variant's step is a fixed-k
+    # engine's own step, and choosing k costs one controller evaluation per segment.
     kd, every = self.kd, self.cfg.adapt_every
-    # Past one chunk's worth of segments the host takes over the backing off (k=0 chunks).
-    gap_max = min(self.cfg.probe_every_max,
-                  max(self.cfg.probe_every, self.cfg.ring_size // every))
     variants = [(k, nd) for k in range(kd + 1) for nd in sorted({k, kd})]
-    branches = [lambda st, k=k, nd=nd: self._step(m, st, k, sample, nd, dm=dm, defer=True)
-                for k, nd in variants]
 
-    def body(carry):
-      i, st, seg_k = carry
-      phase = st.step % every
-      k = jax.lax.cond((phase == 0) | (i == 0), self.choose_k, lambda _: seg_k, st)
-      seg_end = phase == every - 1
+    def segment(carry):
+      i, st = carry
+      k = self.choose_k(st)
+      n_seg = every - st.step % every            # steps to the end of the segment
       probe = (k == 0) & (st.plain_segs + 1 >= st.probe_gap) & (st.k_force < 0)
-      more = seg_end & ((k > 0) | probe) & (k < kd)
-      idx = 2 * k + more.astype(jnp.int32)        # variants[idx] == (k, k), or (k, Kd)
-      # Greedy steps leave draft_logq as it is: kept out of the switch, it is not copied either.
-      new, new_kv = jax.lax.switch(idx, branches, st if sample else st.replace(draft_logq=None))
-      new = new.replace(cache=kv.write_layers(st.cache, new_kv, st.length - 1))
-      if not sample:
-        new = new.replace(draft_logq=st.draft_logq)
-      gap = jnp.where(k > 0, 1,
-                      jnp.where(probe, jnp.minimum(2 * st.probe_gap, gap_max),
-                                st.probe_gap))
+      more = ((k > 0) | probe) & (k < kd)        # the last step drafts all Kd
+      j = jnp.zeros((), jnp.int32)
+      for kv_, nd in variants:
+        # (k, k): the segment's steps, but the last when it drafts more; (k, Kd): that last.
+        end = n_seg - more.astype(jnp.int32) if nd == kv_ and kv_ < kd else n_seg
+
+        def run(c, kv_=kv_, end=end):
+          return (k == kv_) & (c[0] < end) & (c[1] < num_steps) & not_done(c[2])
+
+        def body(c, kv_=kv_, nd=nd):
+          return c[0] + 1, c[1] + 1, self.step(m, c[2], kv_, sample, nd, dm=dm)
+        j, i, st = jax.lax.while_loop(run, body, (j, i, st))
+      seg_end = j == n_seg
+      gap = jnp.where(k > 0, 1, jnp.where(probe, jnp.minimum(2 * st.probe_gap,
+                                                             self.cfg.probe_every_max),
+                                          st.probe_gap))
       n_plain = jnp.where((k > 0) | probe, 0, st.plain_segs + 1)
-      new = new.replace(probe_gap=jnp.where(seg_end, gap, st.probe_gap),
-                        plain_segs=jnp.where(seg_end, n_plain, st.plain_segs))
-      return i + 1, new, k
+      return i, st.replace(probe_gap=jnp.where(seg_end, gap, st.probe_gap),
+                           plain_segs=jnp.where(seg_end, n_plain, st.plain_segs))
 
-    return jax.lax.while_loop(lambda c: (c[0] < num_steps) & not_done(c[1]), body,
-                              (jnp.zeros((), jnp.int32), state, jnp.zeros((), jnp.int32)))[1]
-
-  def steady_ks(self) -> list[int]:
-    """The k with a compiled steady variant of generate (-1: the engine's own loop)."""
-    return sorted({-1, 0, self.kd}) if self.cfg.adaptive else [-1]
+    return jax.lax.while_loop(lambda c: (c[0] < num_steps) & not_done(c[1]), segment,
+                              (jnp.zeros((), jnp.int32), state))[1]
 
   def generate(self, params, state: DecodeState, num_steps: int | None = None,
-               sample: bool | None = None, steady: int = -1,
-               refill: int = 0) -> DecodeState:
-    """Runs up to num_steps (<= ring capacity) steps; `state` is donated. steady (adaptive
-    engines; one of steady_ks()): steps with that fixed k and no controller, compiled apart,
-    exactly a fixed-k engine's step without the adaptive loop's per-step switch (the host asks
-    for them while the controller keeps to one k, see api.Decoder.run); k = 0 is plain
-    decoding. refill > 0: stop after the step in which the refill-th row finishes (requests
-    wait for slots); not a compiled variant."""
+               sample: bool | None = None, refill: int = 0) -> DecodeState:
+    """Runs up to num_steps (<= ring capacity) steps; `state` is donated. refill > 0: stop
+    after the step in which the refill-th row finishes (requests wait for slots); not a
+    compiled variant."""
     num_steps = self.cfg.ring_size if num_steps is None else num_steps
     if not 0 < num_steps <= self.cfg.ring_size:
       raise ValueError(f"num_steps={num_steps} must be in 1..ring_size={self.cfg.ring_size}")
-    if steady not in self.steady_ks():
-      raise ValueError(f"steady={steady} must be one of {self.steady_ks()}")
     if sample is None:
       sample = needs_sampling(np.asarray(state.temperature), np.asarray(state.penalty))
     return self._generate(params, state, jnp.asarray(num_steps, jnp.int32),
-                          jnp.asarray(refill, jnp.int32), sample=sample,
-                          steady=steady if self.cfg.adaptive else -1)
+                          jnp.asarray(refill, jnp.int32), sample=sample)
 
 
 def tree_bytes(tree) -> int:

@@ -108,16 +108,10 @@ class Attention(nnx.Module):
     if cfg.out_bias:
       self.bo_D = nnx.Param(jnp.zeros((d,), pd))
 
-  def __call__(self, x_BTD, pos_BT, cache_kv=None, key_limit_B=None, key_min: int = 0,
-               defer: bool = False):
+  def __call__(self, x_BTD, pos_BT, cache_kv=None, key_limit_B=None, key_min: int = 0):
     """key_limit_B (with a cache): keys past this position are not attended to, except the
     query's own (the sequential heads' drafting skips entries not yet known to be right);
-    key_min: cache positions below it hold nothing (a sequential module's first input).
-
-    defer (with a cache; the T tokens sit at consecutive positions from pos_BT[:, 0]): the
-    cache is only read (its entries before pos_BT[:, 0]) and the new (k, v) [B, T, G, H] are
-    returned in its place, for the caller to write. The decode step writes them outside the
-    branches of its lax.switch, which would otherwise copy the whole cache."""
+    key_min: cache positions below it hold nothing (a sequential module's first input)."""
     cfg, dt = self.cfg, x_BTD.dtype
     q = jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq_DNH[...].astype(dt))
     k = jnp.einsum("BTD,DGH->BTGH", x_BTD, self.wk_DGH[...].astype(dt))
@@ -127,8 +121,6 @@ class Attention(nnx.Module):
       k = k + self.bk_GH[...].astype(dt)
       v = v + self.bv_GH[...].astype(dt)
     q, k = rope(q, pos_BT, cfg), rope(k, pos_BT, cfg)
-    if defer:
-      return self._attend_deferred(q, k, v, pos_BT, cache_kv), (k, v)
     if cache_kv is None:
       keys, values, kpos_BS = k, v, pos_BT
     else:
@@ -158,28 +150,6 @@ class Attention(nnx.Module):
       y = y + self.bo_D[...].astype(y.dtype)
     return y
 
-  def _attend_deferred(self, q, k, v, pos_BT, cache_kv):
-    """Attention over the cache's entries before the first query (read only) and the new
-    keys, causally: one softmax over both blocks, without writing the cache."""
-    ck, cv = cache_kv
-    dt = q.dtype
-    b, t, n, h = q.shape
-    g = self.cfg.n_kv_heads
-    q_BTGRH = q.reshape(b, t, g, n // g, h)
-    scale = h ** -0.5
-    l_old = jnp.einsum("BTGRH,BSGH->BGRTS", q_BTGRH, ck.astype(dt)).astype(jnp.float32) * scale
-    l_new = jnp.einsum("BTGRH,BUGH->BGRTU", q_BTGRH, k).astype(jnp.float32) * scale
-    old_ok = jnp.arange(ck.shape[1])[None] < pos_BT[:, :1]                 # [B, S]
-    new_ok = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]               # [T, U]
-    l_old = jnp.where(old_ok[:, None, None, None, :], l_old, -1e30)
-    l_new = jnp.where(new_ok, l_new, -1e30)
-    mx = jnp.maximum(jnp.max(l_old, -1, keepdims=True), jnp.max(l_new, -1, keepdims=True))
-    p_old, p_new = jnp.exp(l_old - mx), jnp.exp(l_new - mx)
-    denom = jnp.sum(p_old, -1, keepdims=True) + jnp.sum(p_new, -1, keepdims=True)
-    out = (jnp.einsum("BGRTS,BSGH->BTGRH", (p_old / denom).astype(dt), cv.astype(dt))
-           + jnp.einsum("BGRTU,BUGH->BTGRH", (p_new / denom).astype(dt), v))
-    return self._out(out.reshape(b, t, n, h))
-
 
 class MLP(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -204,9 +174,8 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x_BTD, pos_BT, cache_kv=None, key_limit_B=None, key_min: int = 0,
-               defer: bool = False):
-    y, cache_kv = self.attn(self.attn_norm(x_BTD), pos_BT, cache_kv, key_limit_B, key_min, defer)
+  def __call__(self, x_BTD, pos_BT, cache_kv=None, key_limit_B=None, key_min: int = 0):
+    y, cache_kv = self.attn(self.attn_norm(x_BTD), pos_BT, cache_kv, key_limit_B, key_min)
     x_BTD = x_BTD + y
     return x_BTD + self.mlp(self.mlp_norm(x_BTD)), cache_kv
 
@@ -235,14 +204,13 @@ class Trunk(nnx.Module):
       return logits * self.cfg.d_model ** -0.5 if self.cfg.tied_logits_scale else logits
     return jnp.einsum("...D,DV->...V", h, self.unembed_DV[...].astype(jnp.float32))
 
-  def __call__(self, tokens_BT, pos_BT, cache: kv.KVCache | None = None, defer: bool = False):
-    """-> (final hidden states, the updated cache; with defer, the tokens' own K/V [B, T, G, H]
-    per layer instead, the cache only read: see Attention)."""
+  def __call__(self, tokens_BT, pos_BT, cache: kv.KVCache | None = None):
+    """-> (final hidden states, the updated cache)."""
     x = self.embed(tokens_BT)
     new_k, new_v = [], []
     for i, block in enumerate(self.blocks):
       layer_cache = None if cache is None else (cache.k[i], cache.v[i])
-      x, layer_cache = block(x, pos_BT, layer_cache, defer=defer)
+      x, layer_cache = block(x, pos_BT, layer_cache)
       if cache is not None:
         new_k.append(layer_cache[0])
         new_v.append(layer_cache[1])
@@ -259,8 +227,8 @@ class MTPModel(nnx.Module):
     self.trunk = Trunk(cfg, rngs)
     self.heads = heads.make_heads(cfg, heads_cfg, rngs)
 
-  def __call__(self, tokens_BT, pos_BT, cache: kv.KVCache | None = None, defer: bool = False):
-    return self.trunk(tokens_BT, pos_BT, cache, defer)
+  def __call__(self, tokens_BT, pos_BT, cache: kv.KVCache | None = None):
+    return self.trunk(tokens_BT, pos_BT, cache)
 
   def logits(self, h_xD):
     return self.trunk.unembed(h_xD)

@@ -3,6 +3,7 @@ between steps without recompiles or any change of the output."""
 
 import logging
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -179,10 +180,28 @@ def test_row_rates_shrink_towards_the_shared_estimate():
   np.testing.assert_allclose(np.asarray(alpha), [[0.75, 0.75], [0.25, 0.25]], atol=1e-6)
 
 
+def test_a_rows_own_counts_are_not_counted_twice():
+  """The shared estimate a row is weighed against pools the other rows only: at one slot it is
+  the prior, and the row's 8 trials (4 hits) move the estimate once, by 8 / (8 + 16)."""
+  hits, trials = jnp.asarray([[4.0, 2.0]]), jnp.asarray([[8.0, 4.0]])
+  rate, n = A.other_rows_rates(hits, trials)
+  assert np.asarray(n).sum() == 0
+  prior = jnp.asarray([0.9, 0.9])
+  alpha = A.row_alpha(rate, n, jnp.full((1, 2), 0.1), jnp.array([2]), hits, trials, prior)
+  np.testing.assert_allclose(np.asarray(alpha), [[(4 + 16 * 0.9) / 24, (2 + 16 * 0.9) / 20]],
+                             atol=1e-6)
+  # Two rows: each one's shared estimate is the other's rate (blended with the prior by trials).
+  hits, trials = jnp.asarray([[8.0], [0.0]]), jnp.asarray([[16.0], [16.0]])
+  rate, n = A.other_rows_rates(hits, trials)
+  np.testing.assert_allclose(np.asarray(rate), [[0.0], [0.5]])
+  np.testing.assert_allclose(np.asarray(n), [[16.0], [16.0]])
+
+
 def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(trained_tiny):
   """A plain segment drafts all heads at its end only as a probe; while probes lead to no
-  drafting the gap between them doubles (up to probe_every_max), and a drafting segment sets it
-  to 1 (the next plain segment probes)."""
+  drafting the gap between them doubles (up to probe_every_max; the count carries across
+  generate calls, here of one step each), and a drafting segment sets it to 1 (the next plain
+  segment probes)."""
   _, workdir, _ = trained_tiny
   mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
   eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=1, adaptive=True, ring_size=8, adapt_every=2,
@@ -202,54 +221,30 @@ def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(
   # Segments of 2 steps; probes after 2, then 4, then 4 (the cap) plain segments.
   assert probes == [3, 11, 19, 27], probes
   assert int(state.probe_gap) == 4
-  # A plain call (the host's, no switch) leaves a probe due at the end of the next call's first
-  # segment; drafting made to pay even at the tiny heads' low acceptance, the second segment
-  # drafts.
-  state = eng.generate(params, state, 8, steady=0)
-  assert int(state.ring.verified.max()) == 0 and int(state.n_fresh[0]) == 0
+  # Drafting made to pay even at the tiny heads' low acceptance: the next segment drafts, and
+  # the gap is 1 again.
   state = state.replace(cost=jnp.asarray([1.0] + [0.9] * eng.kd))
   state = eng.generate(params, state, 4)
   assert int(state.ring.verified.max()) > 0 and int(state.probe_gap) == 1
 
 
-def test_host_runs_plain_chunks_while_the_controller_keeps_to_plain_decoding(trained_tiny):
-  """Chunks of plain decoding's own step (no switch) come in between adaptive chunks that chose
-  k=0 throughout, 1, 2, 4 ... at a time; the output is plain greedy decoding's, and serving
-  compiles nothing."""
+def test_adaptive_loop_writes_the_kv_cache_in_place(trained_tiny):
+  """Choosing k costs no copy of the KV cache: every step variant of the adaptive loop updates
+  it in place, as a fixed-k engine's step does (the compiled loop holds no copy of a cache
+  layer; a lax.switch over the variants would copy every layer on each call)."""
   _, workdir, _ = trained_tiny
   mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
-  reqs = [api.Request(tok.encode(p), 100) for p in ("def f(x):\n", "import os\n")]
-  plain = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, k=0)).run(reqs)
-  dec = api.Decoder(mcfg, hcfg, params, tok,
-                    DecodeConfig(batch_size=2, adaptive=True, ring_size=8, adapt_every=2,
-                                 probe_every=2, probe_every_max=16))
-  dec.engine.cost = [1.0] + [100.0] * dec.engine.kd          # drafting never pays
-  dec.warmup(16)
-  dec.run(reqs[:1])                                             # host-side helpers warmed too
-  kinds = []
-  orig = dec.engine.generate
-  def spy(*a, **kw):
-    kinds.append(kw.get("steady", -1))
-    return orig(*a, **kw)
-  dec.engine.generate = spy
-  counter = _Compiles()
-  logging.getLogger("jax").addHandler(counter)
-  try:
-    with jax.log_compiles(True):
-      out = dec.run(reqs)
-  finally:
-    logging.getLogger("jax").removeHandler(counter)
-  assert counter.n == 0
-  assert [c.token_ids for c in out] == [c.token_ids for c in plain]
-  # 13 chunks of 8 steps; the queue is empty, so a chunk's k is read one chunk late: adaptive,
-  # adaptive, then 1 plain, adaptive, 2 plain (the run doubles up to 16 * 2 / 8 = 4 chunks) ...
-  assert kinds[:2] == [-1, -1] and kinds.count(0) >= len(kinds) // 2, kinds
-  # Drafting that pays: no k=0 chunks once the controller drafts.
-  dec.engine.cost = [1.0] + [0.5] * dec.engine.kd
-  kinds.clear()
-  out = dec.run(reqs)
-  assert [c.token_ids for c in out] == [c.token_ids for c in plain]
-  assert 0 not in kinds, kinds
+  for adaptive in (False, True):
+    eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=4, max_len=48, adaptive=adaptive),
+                   tok.eod_id)
+    state = eng.init_state()
+    b, s, g, h = state.cache.k[0].shape
+    for sample in (False, True):
+      hlo = eng._generate.lower(params, state, jnp.asarray(8, jnp.int32),
+                                jnp.asarray(0, jnp.int32), sample=sample).compile().as_text()
+      copies = re.findall(rf"= f32\[{b},{s},{g},{h}\]\S* copy\(", hlo)
+      assert hlo.count("while(") >= (2 * eng.kd + 2 if adaptive else 1)
+      assert not copies, (adaptive, sample, copies[:3])
 
 
 def test_rates_of_a_run_become_the_next_runs_prior():

@@ -74,25 +74,6 @@ def test_cached_step_by_step_equals_full_forward(tie):
                              atol=5e-5, rtol=5e-5)
 
 
-def test_deferred_write_equals_writing_before_attending():
-  """The decode step's mode (the cache only read, the new K/V returned and written after) gives
-  the hidden states and the cache of the in-place mode, rows at different lengths."""
-  cfg, m = _model()
-  b, s = 3, 32
-  x = _tokens(b, 20, cfg.model.vocab_size)
-  cache = kv.init_cache(cfg.model, b, s)
-  _, cache = m(x, jnp.broadcast_to(jnp.arange(20), (b, 20)), cache)      # garbage past lengths
-  start = jnp.array([4, 9, 13])
-  new = _tokens(b, 4, cfg.model.vocab_size, seed=5)
-  pos = start[:, None] + jnp.arange(4)[None]
-  h_in, cache_in = m(new, pos, cache)
-  h_def, new_kv = m(new, pos, cache, defer=True)
-  np.testing.assert_allclose(np.asarray(h_def), np.asarray(h_in), atol=2e-5, rtol=2e-5)
-  for c_in, c_old, n in zip(cache_in.k + cache_in.v, cache.k + cache.v, new_kv.k + new_kv.v):
-    np.testing.assert_allclose(np.asarray(kv.write(c_old, n, start)), np.asarray(c_in),
-                               atol=1e-5, rtol=1e-5)
-
-
 def test_rows_at_different_positions_and_stale_entries_are_masked():
   """Each row decodes from its own length; garbage beyond a row's length is never attended to."""
   cfg, m = _model()

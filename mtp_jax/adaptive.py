@@ -35,6 +35,7 @@ import numpy as np
 from mtp_jax import ring as ring_lib
 
 PRIOR_TRIALS = 16.0   # trials after which the windowed rate outweighs the confidences
+ROW_PRIOR_TRIALS = 16.0  # trials after which a row's own rate outweighs the shared estimate
 
 
 def row_window(ring: ring_lib.Ring, step, window: int, k_max: int):
@@ -82,7 +83,9 @@ def row_alpha(rate_K, trials_K, conf_BK, cut_B, row_hits_BK=None, row_trials_BK=
   runs of the same decoder; < 0 where unknown) replaces that prior where known: the heads'
   confidence tends to understate how often greedy drafts are accepted. With the row's own window
   counts, that estimate is in turn the prior of the row's own rate (rows differ: some text is
-  easier to draft than other).
+  easier to draft than other), by ROW_PRIOR_TRIALS; at later positions, where a row that drafts
+  badly has few trials, the prior is scaled by how the row does at the first position against
+  the shared estimate (text that is hard to draft is hard at every position).
   """
   lam = trials_K / (trials_K + PRIOR_TRIALS)
   cols, prior = [], conf_BK[:, 0]
@@ -94,7 +97,11 @@ def row_alpha(rate_K, trials_K, conf_BK, cut_B, row_hits_BK=None, row_trials_BK=
     prior = a
   alpha = jnp.stack(cols, 1)
   if row_hits_BK is not None:
-    alpha = (row_hits_BK + PRIOR_TRIALS * alpha) / (row_trials_BK + PRIOR_TRIALS)
+    t = ROW_PRIOR_TRIALS
+    first = (row_hits_BK[:, :1] + t * alpha[:, :1]) / (row_trials_BK[:, :1] + t)
+    prior = jnp.clip(alpha[:, 1:] * first / jnp.maximum(alpha[:, :1], 1e-6), 0.0, 1.0)
+    alpha = jnp.concatenate(
+        [first, (row_hits_BK[:, 1:] + t * prior) / (row_trials_BK[:, 1:] + t)], axis=1)
   pos = jnp.arange(conf_BK.shape[1])[None]
   return jnp.where(pos < cut_B[:, None], jnp.clip(alpha, 0.0, 1.0), 0.0)
 
@@ -147,11 +154,13 @@ def choose_k_to_finish(cost_K1, alpha_BK, active_B, remaining_B, margin: float =
 
 
 def _code_version() -> str:
-  """A hash of the modules a step's cost depends on: a table measured by other code is stale."""
+  """A hash of the modules a step's cost and its measurement depend on (this one included): a
+  table measured by other code is stale."""
   from mtp_jax import engine as engine_mod, model as model_mod, sampling as sampling_mod
   h = hashlib.sha1()
-  for mod in (engine_mod, model_mod, sampling_mod, ring_lib):
-    with open(mod.__file__, "rb") as f:
+  for path in (engine_mod.__file__, model_mod.__file__, sampling_mod.__file__, ring_lib.__file__,
+               __file__):
+    with open(path, "rb") as f:
       h.update(f.read())
   return h.hexdigest()[:8]
 
@@ -209,8 +218,9 @@ def monotone(cost: list[float]) -> list[float]:
 
 def measure_costs(engine, params, repeats: int = 5, steps: int = 32) -> list[float]:
   """Seconds per step with k = 0..K_max drafts, every slot active: warm, `steps` steps per
-  run, the k interleaved run by run (so that a noisy machine slows all alike), median, made
-  non-decreasing in k (see monotone)."""
+  run, every k once per round. The controller only weighs costs against each other, so c(k) is
+  the median over rounds of c(k) / c(0) within the round (a slow spell of a shared machine
+  slows a whole round alike) times the median c(0); made non-decreasing in k (see monotone)."""
   b = engine.cfg.batch_size
   rng = np.random.default_rng(0)
   times = [[] for _ in range(engine.kd + 1)]
@@ -228,4 +238,5 @@ def measure_costs(engine, params, repeats: int = 5, steps: int = 32) -> list[flo
       dt = time.perf_counter() - t0
       if rep:
         times[k].append(dt / max(ran, 1))
-  return monotone([float(np.median(t)) for t in times])
+  t = np.asarray(times)                                          # [K+1, repeats]
+  return monotone([float(np.median(t[0]) * np.median(t[k] / t[0])) for k in range(len(t))])

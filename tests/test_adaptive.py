@@ -176,20 +176,24 @@ def test_row_rates_shrink_towards_the_shared_estimate():
                       jnp.full((2, 2), 0.5), jnp.array([2, 2]),
                       jnp.asarray([[16.0, 16.0], [0.0, 0.0]]), jnp.asarray([[16.0, 16.0],
                                                                            [16.0, 16.0]]))
-  # Row 0 accepted all of its 16 trials, row 1 none: halfway from the shared 0.5 each way.
-  np.testing.assert_allclose(np.asarray(alpha), [[0.75, 0.75], [0.25, 0.25]], atol=1e-6)
+  # Row 0 accepted all of its 16 trials, row 1 none: at the first position halfway from the
+  # shared 0.5 each way; the second position's prior is scaled by that (x1.5, x0.5), and the
+  # row's own 16 trials move it halfway again.
+  np.testing.assert_allclose(np.asarray(alpha), [[0.75, 0.875], [0.25, 0.125]], atol=1e-6)
 
 
 def test_a_rows_own_counts_are_not_counted_twice():
   """The shared estimate a row is weighed against pools the other rows only: at one slot it is
   the prior, and the row's 8 trials (4 hits) move the estimate once, by 8 / (8 + 16)."""
+  assert A.ROW_PRIOR_TRIALS == 16
   hits, trials = jnp.asarray([[4.0, 2.0]]), jnp.asarray([[8.0, 4.0]])
   rate, n = A.other_rows_rates(hits, trials)
   assert np.asarray(n).sum() == 0
   prior = jnp.asarray([0.9, 0.9])
   alpha = A.row_alpha(rate, n, jnp.full((1, 2), 0.1), jnp.array([2]), hits, trials, prior)
-  np.testing.assert_allclose(np.asarray(alpha), [[(4 + 16 * 0.9) / 24, (2 + 16 * 0.9) / 20]],
-                             atol=1e-6)
+  first = (4 + 16 * 0.9) / 24
+  # The second position's prior, 0.9, scaled by first / 0.9 (the row against the shared estimate).
+  np.testing.assert_allclose(np.asarray(alpha), [[first, (2 + 16 * first) / 20]], atol=1e-6)
   # Two rows: each one's shared estimate is the other's rate (blended with the prior by trials).
   hits, trials = jnp.asarray([[8.0], [0.0]]), jnp.asarray([[16.0], [16.0]])
   rate, n = A.other_rows_rates(hits, trials)

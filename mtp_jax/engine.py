@@ -653,7 +653,7 @@ class Engine:
                   adaptive.choose_k_to_finish(state.cost, alpha, active,
                                               state.stop_len - state.length, margin),
                   adaptive.choose_k(state.cost, adaptive.expected_emitted(alpha, active), margin))
-    return jnp.where(state.k_force >= 0, state.k_force, k)
+    return jnp.where(state.k_force >= 0, jnp.minimum(state.k_force, self.kd), k)
 
   def _generate_impl(self, params, state: DecodeState, num_steps, refill, sample: bool):
     m, dm = self._bind(params)

@@ -101,9 +101,12 @@ def test_rows_stop_when_the_cache_is_full(tiny_model):
 
 
 def _sample_engine(mcfg, hcfg, params, tok, k, n_rounds, batch, prompt, max_new, seed, top_k=4,
-                   penalty=1.0, threshold=0.0):
+                   penalty=1.0, threshold=0.0, adaptive=False):
+  # Adaptive: up to k drafts, no margin asked over plain decoding (equal costs until calibrated),
+  # so that the tiny heads' drafts are verified by the adaptive loop's sampled variants.
   eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=batch, k=k, ring_size=8,
-                                          confidence_threshold=threshold), tok.eod_id)
+                                          confidence_threshold=threshold, adaptive=adaptive,
+                                          adapt_margin=0.0), tok.eod_id)
   rows = []
   for r in range(n_rounds):
     key = jax.random.key(seed * 1000 + r)
@@ -118,10 +121,13 @@ def _sample_engine(mcfg, hcfg, params, tok, k, n_rounds, batch, prompt, max_new,
   return np.concatenate(rows), E.stats(state)
 
 
-@pytest.mark.parametrize("penalty, threshold", [(1.0, 0.0), (3.0, 0.0), (1.0, "median")])
-def test_sampling_is_lossless(tiny_model, penalty, threshold):
+@pytest.mark.parametrize("penalty, threshold, adaptive",
+                         [(1.0, 0.0, False), (3.0, 0.0, False), (1.0, "median", False),
+                          (1.0, 0.0, True)])
+def test_sampling_is_lossless(tiny_model, penalty, threshold, adaptive):
   """The 2nd and 3rd generated tokens (produced by draft-and-verify steps, the 1st comes from
-  prefill) follow the same distribution with k = 3 as with plain sampling. Two-sample chi-square
+  prefill) follow the same distribution with k = 3 (fixed, or chosen by the adaptive loop up to
+  3) as with plain sampling. Two-sample chi-square
   test of homogeneity on the joint (2nd, 3rd) pairs, categories with fewer than 20 samples in
   all pooled; the test fails below p = 1e-4 (a correct engine fails once in 10,000 runs)."""
   (mcfg, hcfg, params, tok), cfg = tiny_model
@@ -133,7 +139,7 @@ def test_sampling_is_lossless(tiny_model, penalty, threshold):
   plain, _ = _sample_engine(mcfg, hcfg, params, tok, 0, 24, 64, prompt, 3, seed=1,
                             penalty=penalty)
   spec, st = _sample_engine(mcfg, hcfg, params, tok, 3, 24, 64, prompt, 3, seed=2,
-                            penalty=penalty, threshold=threshold)
+                            penalty=penalty, threshold=threshold, adaptive=adaptive)
   assert sum(st["accepted"]) > 0.1 * sum(st["drafted"]), st
   if threshold:
     assert sum(st["drafted"]) < 0.9 * 3 * 24 * 64 * 2, "the threshold cut no chain"

@@ -561,7 +561,8 @@ class Engine:
     sp = (state.temperature, state.top_k, state.top_p, state.penalty)
     v = self.model_cfg.vocab_size
     # Rows verify only their fresh drafts (n_fresh, and the threshold's cut): a stale draft was
-    # proposed for another position.
+    # proposed for another position. A fixed engine without a threshold has all k fresh in
+    # every row (k_row == k), so it skips the masks.
     cut = k_row if self.cfg.confidence_threshold > 0 or self.cfg.adaptive else None
     if sample:
       # Position j is verified against the history plus drafts 1..j.
@@ -664,12 +665,19 @@ class Engine:
     freed = lambda st: jnp.sum((st.done & ~done0).astype(jnp.int32))
     not_done = lambda st: ~jnp.all(st.done) & ((refill == 0) | (freed(st) < refill))
 
+    def steps(j, i, st, k, nd, go):
+      """Steps of k drafts (nd made) while go(j) and the call goes on; j counts them on top of
+      the caller's j, i the call's steps. -> (j, i, st)."""
+      def run(c):
+        return go(c[0]) & (c[1] < num_steps) & not_done(c[2])
+
+      def body(c):
+        return c[0] + 1, c[1] + 1, self.step(m, c[2], k, sample, nd, dm=dm)
+      return jax.lax.while_loop(run, body, (j, i, st))
+
+    zero = jnp.zeros((), jnp.int32)
     if not self.cfg.adaptive:
-      def body(carry):
-        i, st = carry
-        return i + 1, self.step(m, st, self.kd, sample, dm=dm)
-      return jax.lax.while_loop(lambda c: (c[0] < num_steps) & not_done(c[1]), body,
-                                (jnp.zeros((), jnp.int32), state))[1]
+      return steps(zero, zero, state, self.kd, None, lambda j: True)[2]
 
     # Adaptive k: the controller chooses k at the start of each segment of adapt_every steps
     # (and at the start of a call, which may begin inside a segment). A step drafts only what
@@ -695,17 +703,11 @@ class Engine:
       n_seg = every - st.step % every            # steps to the end of the segment
       probe = (k == 0) & (st.plain_segs + 1 >= st.probe_gap) & (st.k_force < 0)
       more = ((k > 0) | probe) & (k < kd)        # the last step drafts all Kd
-      j = jnp.zeros((), jnp.int32)
+      j = zero
       for kv_, nd in variants:
         # (k, k): the segment's steps, but the last when it drafts more; (k, Kd): that last.
         end = n_seg - more.astype(jnp.int32) if nd == kv_ and kv_ < kd else n_seg
-
-        def run(c, kv_=kv_, end=end):
-          return (k == kv_) & (c[0] < end) & (c[1] < num_steps) & not_done(c[2])
-
-        def body(c, kv_=kv_, nd=nd):
-          return c[0] + 1, c[1] + 1, self.step(m, c[2], kv_, sample, nd, dm=dm)
-        j, i, st = jax.lax.while_loop(run, body, (j, i, st))
+        j, i, st = steps(j, i, st, kv_, nd, lambda j, kv_=kv_, end=end: (k == kv_) & (j < end))
       seg_end = j == n_seg
       gap = jnp.where(k > 0, 1, jnp.where(probe, jnp.minimum(2 * st.probe_gap,
                                                              self.cfg.probe_every_max),
@@ -715,7 +717,7 @@ class Engine:
                            plain_segs=jnp.where(seg_end, n_plain, st.plain_segs))
 
     return jax.lax.while_loop(lambda c: (c[0] < num_steps) & not_done(c[1]), segment,
-                              (jnp.zeros((), jnp.int32), state))[1]
+                              (zero, state))[1]
 
   def generate(self, params, state: DecodeState, num_steps: int | None = None,
                sample: bool | None = None, refill: int = 0) -> DecodeState:

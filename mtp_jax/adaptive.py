@@ -18,7 +18,9 @@ Once no request waits for a slot (the host says so: DecodeState.closed), tokens 
 whole batch no longer matter, only when its last row finishes: the controller then minimises
 max over active rows of remaining_i / E_i[emitted | k] * c(k) (choose_k_to_finish). Otherwise
 rows that draft well would finish early and leave their slots idle while the rows that draft
-badly, at the same cost per step, set the end of the job.
+badly, at the same cost per step, set the end of the job. There each row's rates are taken one
+standard deviation low (pessimistic): a max over rows of noisy estimates is biased towards
+drafting, and a row whose few trials flatter it sets the end.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from mtp_jax import ring as ring_lib
 
 PRIOR_TRIALS = 16.0   # trials after which the windowed rate outweighs the confidences
 ROW_PRIOR_TRIALS = 16.0  # trials after which a row's own rate outweighs the shared estimate
+FINISH_Z = 1.0           # the end-of-job objective's rates: this many standard deviations low
 
 
 def row_window(ring: ring_lib.Ring, step, window: int, k_max: int):
@@ -106,6 +109,16 @@ def row_alpha(rate_K, trials_K, conf_BK, cut_B, row_hits_BK=None, row_trials_BK=
   return jnp.where(pos < cut_B[:, None], jnp.clip(alpha, 0.0, 1.0), 0.0)
 
 
+def pessimistic(alpha_BK, row_trials_BK, z: float = FINISH_Z):
+  """A lower bound on each row's acceptance, z standard deviations below the estimate, by the
+  trials behind it (the row's own, plus ROW_PRIOR_TRIALS of shared estimate). For the end of
+  a job: its finish time is a max over rows, which noise in the rows' estimates biases low
+  (a row that drafts worse than its few trials show sets the end)."""
+  n = row_trials_BK + ROW_PRIOR_TRIALS
+  a = alpha_BK - z * jnp.sqrt(alpha_BK * (1.0 - alpha_BK) / (n + 1.0))
+  return jnp.clip(a, 0.0, 1.0)
+
+
 def run_rates(drafted_K, accepted_K, min_trials: int = 16) -> list[float]:
   """Per draft position, the conditional acceptance rate of a finished run from its counters
   (DecodeState.drafted / accepted): accepted[i] / accepted[i-1] (accepted[0] / drafted[0]), -1
@@ -129,23 +142,41 @@ def expected_emitted(alpha_BK, active_B):
   return jnp.sum(jnp.where(active_B[:, None], row_expected(alpha_BK), 0.0), axis=0)
 
 
-def choose_k(cost_K1, expected_K1, margin: float = 0.0):
+def choose_k(cost_K1, expected_K1, margin: float = 0.0, allowed_K1=None):
   """argmax_k expected[k] / cost[k]; ties go to the smaller k. With a margin, drafting is chosen
   only when it is expected to beat plain decoding by more than that fraction: the estimates
-  carry noise, and a mistaken k > 0 costs more than a missed one gains."""
+  carry noise, and a mistaken k > 0 costs more than a missed one gains. allowed_K1 (bool):
+  the k that may be chosen (default all)."""
   rate = expected_K1 / cost_K1
+  if allowed_K1 is not None:
+    rate = jnp.where(allowed_K1, rate, -jnp.inf)
   best = jnp.argmax(rate)
   return jnp.where(rate[best] > rate[0] * (1.0 + margin), best, 0).astype(jnp.int32)
 
 
-def choose_k_to_finish(cost_K1, alpha_BK, active_B, remaining_B, margin: float = 0.0):
+def viable_ks(cost_K1, margin: float = 0.0) -> tuple[int, ...]:
+  """The k that the controller may ever choose under this cost table: 0, and each k > 0 that
+  would beat plain decoding by more than `margin` if every draft were accepted,
+  (k + 1) / c(k) > (1 + margin) / c(0). A row emits at most k + 1 tokens per step, so neither
+  objective (choose_k, choose_k_to_finish) can pick any other k; the adaptive loop compiles
+  only these variants, and none but plain decoding where the batch makes every step compute
+  bound. Host side."""
+  c0 = float(cost_K1[0])
+  return (0,) + tuple(k for k in range(1, len(cost_K1))
+                      if (k + 1) * c0 > (1.0 + margin) * float(cost_K1[k]))
+
+
+def choose_k_to_finish(cost_K1, alpha_BK, active_B, remaining_B, margin: float = 0.0,
+                       allowed_K1=None):
   """When no request waits for a slot, throughput no longer counts, only when the last row
   finishes: the k that minimises max over active rows of remaining_i / E_i[emitted | k] * c(k).
   (A row that drafts well finishing early frees a slot nobody takes, while every step still
   costs c(k) for all slots.) Ties go to the smaller k; k > 0 only when it is expected to finish
-  sooner than plain decoding by more than `margin` (see choose_k)."""
+  sooner than plain decoding by more than `margin` (see choose_k; allowed_K1 as there)."""
   t = remaining_B[:, None].astype(jnp.float32) / row_expected(alpha_BK) * cost_K1[None]
   t = jnp.max(jnp.where(active_B[:, None], t, 0.0), axis=0)
+  if allowed_K1 is not None:
+    t = jnp.where(allowed_K1, t, jnp.inf)
   best = jnp.argmin(t)
   return jnp.where(t[best] * (1.0 + margin) < t[0], best, 0).astype(jnp.int32)
 

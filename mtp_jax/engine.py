@@ -66,6 +66,8 @@ class DecodeState:
   probe_gap: jax.Array     # [] plain segments between probes (probe_every at the start,
                            # doubling while probes find nothing worth drafting; 1 after k > 0)
   plain_segs: jax.Array    # [] plain segments ended since the last probe or drafting segment
+  seg_k: jax.Array         # [] k of the current segment (a call that begins inside a segment
+                           # continues it)
   prior_rate: jax.Array    # [Kd] acceptance per draft position from earlier runs (-1: unknown;
                            # the controller's prior before the ring has counts)
 
@@ -133,7 +135,7 @@ class Engine:
     out = self.state_sharding
     self._prefill = jax.jit(self._prefill_impl, static_argnames=("sample",))
     self._insert = jax.jit(self._insert_impl, donate_argnames=("state",), out_shardings=out)
-    self._generate = jax.jit(self._generate_impl, static_argnames=("sample",),
+    self._generate = jax.jit(self._generate_impl, static_argnames=("sample", "ks"),
                              donate_argnames=("state",), out_shardings=out)
     self._cancel = jax.jit(lambda state, mask: state.replace(done=state.done | mask),
                            donate_argnums=0, out_shardings=out)
@@ -169,7 +171,8 @@ class Engine:
         drafted=jnp.zeros((kd,), jnp.int32), accepted=jnp.zeros((kd,), jnp.int32),
         cost=jnp.asarray(self.cost, jnp.float32), k_force=jnp.asarray(-1, jnp.int32),
         closed=jnp.asarray(False), probe_gap=jnp.asarray(self.cfg.probe_every, jnp.int32),
-        plain_segs=jnp.zeros((), jnp.int32), prior_rate=jnp.full((kd,), -1.0, jnp.float32))
+        plain_segs=jnp.zeros((), jnp.int32), seg_k=jnp.zeros((), jnp.int32),
+        prior_rate=jnp.full((kd,), -1.0, jnp.float32))
 
   def bucket(self, n: int) -> int:
     """The prefill bucket (a power of two >= min_bucket, at most max_len - k - 1) for n tokens."""
@@ -189,10 +192,19 @@ class Engine:
     key = adaptive.table_key(self)
     cost = None if force else adaptive.load_table(path, key)
     if cost is None or len(cost) != self.kd + 1:
+      self.cost = [1.0] * (self.kd + 1)        # every k compiled, for the measurement
       cost = adaptive.measure_costs(self, params)
       adaptive.save_table(path, key, cost)
     self.cost = cost
     return cost
+
+  @property
+  def ks(self) -> tuple[int, ...] | None:
+    """Adaptive k: the k the controller may choose under the cost table (adaptive.viable_ks),
+    the step variants the adaptive loop compiles; None for a fixed-k engine."""
+    if not self.cfg.adaptive:
+      return None
+    return adaptive.viable_ks(self.cost, self.cfg.adapt_margin)
 
   def buckets(self, max_prompt_len: int | None = None) -> list[int]:
     top = self.bucket(max_prompt_len or self.cfg.max_len - self.kd - 1)
@@ -258,7 +270,7 @@ class Engine:
     return kv.KVCache(k=tuple(ks), v=tuple(vs)), new_h
 
   def _draft_seq(self, m, seq_h, length_B, cache, key, sp, presence_BV, sample: bool,
-                 n: int | None = None):
+                 n: int | None = None, want_conf: bool = True):
     """Drafts k tokens after a committed length L: draft 1 from module 1's output at its last
     committed position (seq_h[0], trunk position L-2); draft j from module j (or module 1 again
     with reuse_module) at input position L-2+j, fed the previous draft and the previous module's
@@ -280,7 +292,7 @@ class Engine:
             h[:, None], e, u, (ks[layer], vs[layer]), limit, key_min=layer + 1)
         h, hn = hh[:, 0], hn[:, 0]
       d, logq, conf, presence_BV = self._pick(m.logits(hn), subs, j, sp, presence_BV, sample,
-                                              j < self._conf_cols(n))
+                                              j < self._conf_cols(n, want_conf))
       drafts.append(d)
       logqs.append(logq)
       confs.append(conf)
@@ -297,17 +309,17 @@ class Engine:
   # ------------------------------------------------------------------ drafting
 
   def _draft_from(self, m, dm, h_BD, tokens_BS, length_B, draft_cache, key, sp, presence_BV,
-                  sample: bool, n: int | None = None):
+                  sample: bool, n: int | None = None, want_conf: bool = True):
     """n (default Kd) drafts for the next step from the configured drafter (prompt lookup
     always makes Kd: they cost nothing); the row's committed tokens are tokens_BS[:, :length_B].
     -> (drafts [B, n], logq, conf, draft_cache)."""
     n = self.kd if n is None else n
     if self.drafter == "heads" or self.kd == 0:
-      return self._draft(m, h_BD, key, sp, presence_BV, sample, n) + (draft_cache,)
+      return self._draft(m, h_BD, key, sp, presence_BV, sample, n, want_conf) + (draft_cache,)
     if self.drafter == "ngram":
       return self._draft_ngram(tokens_BS, length_B, sample) + (draft_cache,)
     return self._draft_model(dm, tokens_BS, length_B, draft_cache, key, sp, presence_BV, sample,
-                             n)
+                             n, want_conf)
 
   def _draft_ngram(self, tokens_BS, length_B, sample: bool):
     """Prompt lookup: find the latest earlier occurrence of the row's last n tokens in its
@@ -332,12 +344,13 @@ class Engine:
             if sample else jnp.zeros((b, kd, v), jnp.float32))
     return drafts, logq, conf
 
-  def _conf_cols(self, n: int) -> int:
-    """How many of n drafts need a confidence: all of them for the threshold's cut; only the
-    first for the controller alone (it reads later positions off the ring); none otherwise."""
+  def _conf_cols(self, n: int, conf: bool = True) -> int:
+    """How many of n greedy drafts need a confidence: all of them for the threshold's cut; only
+    the first for the controller alone (it reads later positions off the ring), and only where
+    it reads them (conf: the adaptive loop's last step of a segment); none otherwise."""
     if self.cfg.confidence_threshold > 0:
       return n
-    return min(n, 1) if self.needs_conf else 0
+    return min(n, 1) if self.needs_conf and conf else 0
 
   def _pick(self, logits_BV, subs, i: int, sp, presence_BV, sample: bool, want_conf: bool):
     """One draft of an autoregressive drafter (draft model, sequential heads) from its logits:
@@ -354,7 +367,7 @@ class Engine:
             presence_BV)
 
   def _draft_model(self, dm, tokens_BS, length_B, cache, key, sp, presence_BV, sample: bool,
-                   n: int):
+                   n: int, want_conf: bool = True):
     """Classic speculative decoding's drafter: the draft model (its own KV cache) runs the last
     two committed tokens (positions L-2, L-1: the one before may be a draft it never saw), then
     one token per further draft."""
@@ -366,7 +379,7 @@ class Engine:
     drafts, logqs, confs = [], [], []
     for i in range(n):
       d, logq, conf, presence_BV = self._pick(logits, subs, i, sp, presence_BV, sample,
-                                              i < self._conf_cols(n))
+                                              i < self._conf_cols(n, want_conf))
       drafts.append(d)
       logqs.append(logq)
       confs.append(conf)
@@ -376,7 +389,8 @@ class Engine:
         logits = dm.logits(h[:, 0])
     return jnp.stack(drafts, 1), jnp.stack(logqs, 1), jnp.stack(confs, 1), cache
 
-  def _draft(self, m, h_BD, key, sp, presence_BV, sample: bool, n: int | None = None):
+  def _draft(self, m, h_BD, key, sp, presence_BV, sample: bool, n: int | None = None,
+             want_conf: bool = True):
     """n (default Kd) drafts from the first n heads at one hidden state per row
     -> (drafts [B, n], logq [B, n, V], the heads' confidence: peak probability [B, n]).
 
@@ -393,12 +407,13 @@ class Engine:
     if not sample:
       # Confidences feed only the controller and the threshold: the softmax is skipped where
       # neither reads it.
-      c = self._conf_cols(n)
-      conf = jnp.zeros((b, n), jnp.float32)
+      c = self._conf_cols(n, want_conf)
+      conf_BN = jnp.zeros((b, n), jnp.float32)
       if c:
-        conf = conf.at[:, :c].set(jnp.max(jax.nn.softmax(logits[:, :c].astype(jnp.float32), -1),
-                                          -1))
-      return (jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((b, n, v), jnp.float32), conf)
+        conf_BN = conf_BN.at[:, :c].set(
+            jnp.max(jax.nn.softmax(logits[:, :c].astype(jnp.float32), -1), -1))
+      return (jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((b, n, v), jnp.float32),
+              conf_BN)
     drafts, logqs = [], []
     subs = sampling.split_rows(key, self.kd)                            # [B, Kd] row keys
     for i in range(n):
@@ -537,7 +552,7 @@ class Engine:
   # ------------------------------------------------------------------ the step
 
   def step(self, m, state: DecodeState, k: int, sample: bool, n_draft: int | None = None,
-           dm=None) -> DecodeState:
+           dm=None, want_conf: bool = True) -> DecodeState:
     """One draft-and-verify step with k drafts (static), for all rows, its K/V written into the
     cache. With a confidence threshold, a row verifies only its drafts before the first one its
     head doubts; a row never verifies more than its fresh drafts (n_fresh).
@@ -545,7 +560,8 @@ class Engine:
     n_draft (default Kd): drafts to make for the next step. The adaptive loop drafts only what
     the next step may verify (none in a plain segment, so that choosing k = 0 costs what plain
     decoding costs; k in a segment of k, all Kd at its end); the drafts not made keep their old
-    values with zero confidence and are not fresh.
+    values with zero confidence and are not fresh. want_conf: the controller reads this step's
+    draft confidences (see _conf_cols).
     """
     nd = self.kd if n_draft is None else n_draft
     length = state.length
@@ -596,10 +612,11 @@ class Engine:
       if n_upd:
         dcache, seq_h = self._seq_update(m, h, tokens, length, n, dcache, seq_h, n_upd, active)
       new_drafts, logq, conf, dcache = self._draft_seq(m, seq_h, new_length, dcache, k_draft, sp,
-                                                       new_pres, sample, nd)
+                                                       new_pres, sample, nd, want_conf)
     elif nd:
       new_drafts, logq, conf, dcache = self._draft_from(m, dm, h_last, tokens, new_length, dcache,
-                                                        k_draft, sp, new_pres, sample, nd)
+                                                        k_draft, sp, new_pres, sample, nd,
+                                                        want_conf)
     else:
       new_drafts = jnp.zeros((length.shape[0], 0), jnp.int32)
       logq, conf = jnp.zeros((length.shape[0], 0, v), jnp.float32), jnp.zeros((length.shape[0], 0))
@@ -640,8 +657,11 @@ class Engine:
     cut = jnp.where(jnp.any(low, 1), jnp.argmax(low, 1), self.kd).astype(jnp.int32)
     return jnp.minimum(cut, state.n_fresh)
 
-  def choose_k(self, state: DecodeState):
-    """The controller: k for the next step, on the device (see adaptive.py)."""
+  def choose_k(self, state: DecodeState, ks: tuple[int, ...] | None = None):
+    """The controller: k for the next step, on the device (see adaptive.py), one of ks
+    (default self.ks); a forced k (k_force) becomes the largest of ks not above it."""
+    ks = self.ks if ks is None else ks
+    allowed = jnp.isin(jnp.arange(self.kd + 1), jnp.asarray(ks))
     hits_b, trials_b = adaptive.row_window(state.ring, state.step, self.cfg.accept_window,
                                            self.kd)
     rate, trials = adaptive.other_rows_rates(hits_b, trials_b)
@@ -651,12 +671,17 @@ class Engine:
     active = ~state.done
     margin = self.cfg.adapt_margin
     k = jnp.where(state.closed,
-                  adaptive.choose_k_to_finish(state.cost, alpha, active,
-                                              state.stop_len - state.length, margin),
-                  adaptive.choose_k(state.cost, adaptive.expected_emitted(alpha, active), margin))
-    return jnp.where(state.k_force >= 0, jnp.minimum(state.k_force, self.kd), k)
+                  adaptive.choose_k_to_finish(state.cost, adaptive.pessimistic(alpha, trials_b),
+                                              active, state.stop_len - state.length, margin,
+                                              allowed),
+                  adaptive.choose_k(state.cost, adaptive.expected_emitted(alpha, active), margin,
+                                    allowed))
+    forced = jnp.max(jnp.where(allowed & (jnp.arange(self.kd + 1) <= state.k_force),
+                               jnp.arange(self.kd + 1), 0))
+    return jnp.where(state.k_force >= 0, forced, k).astype(jnp.int32)
 
-  def _generate_impl(self, params, state: DecodeState, num_steps, refill, sample: bool):
+  def _generate_impl(self, params, state: DecodeState, num_steps, refill, sample: bool,
+                     ks: tuple[int, ...] | None = None):
     m, dm = self._bind(params)
     # With refill > 0 (requests wait for slots), the call ends after the step in which the
     # refill-th row finishes, so that the host refills the slots then rather than at the end of
@@ -665,56 +690,78 @@ class Engine:
     freed = lambda st: jnp.sum((st.done & ~done0).astype(jnp.int32))
     not_done = lambda st: ~jnp.all(st.done) & ((refill == 0) | (freed(st) < refill))
 
-    def steps(j, i, st, k, nd, go):
+    def steps(j, i, st, k, nd, go, want_conf=True):
       """Steps of k drafts (nd made) while go(j) and the call goes on; j counts them on top of
       the caller's j, i the call's steps. -> (j, i, st)."""
       def run(c):
         return go(c[0]) & (c[1] < num_steps) & not_done(c[2])
 
       def body(c):
-        return c[0] + 1, c[1] + 1, self.step(m, c[2], k, sample, nd, dm=dm)
+        return c[0] + 1, c[1] + 1, self.step(m, c[2], k, sample, nd, dm=dm, want_conf=want_conf)
       return jax.lax.while_loop(run, body, (j, i, st))
 
     zero = jnp.zeros((), jnp.int32)
     if not self.cfg.adaptive:
       return steps(zero, zero, state, self.kd, None, lambda j: True)[2]
+    kmax = max(ks)
+    if kmax == 0:    # no k can pay under the cost table (adaptive.viable_ks): plain decoding
+      return steps(zero, zero, state, 0, 0, lambda j: True)[2]
 
     # Adaptive k: the controller chooses k at the start of each segment of adapt_every steps
-    # (and at the start of a call, which may begin inside a segment). A step drafts only what
-    # the next step may verify: k inside a segment of k, and all Kd at its last step, so that
-    # the next segment may choose any k; a plain segment drafts nothing, except all Kd at the
-    # last step of a probe segment (so that the controller sees fresh confidences when
-    # acceptance may have recovered). Probes come every probe_gap plain segments; the gap
-    # doubles after each probe that leads to no drafting (up to probe_every_max), since a probe
-    # costs a drafting step's head work; after a drafting segment it is 1 (the first plain
-    # segment probes, so that a turn to plain decoding is checked again at once).
+    # (segments run across calls: step counts them). A step drafts only what the next step
+    # may verify: k inside a segment of k, and kmax at its last step, so that the next segment
+    # may choose any k; a plain segment drafts nothing, except at the last step of a probe
+    # segment (so that the controller sees fresh confidences when acceptance may have
+    # recovered). Probes come every probe_gap plain segments; the gap doubles after each probe
+    # that leads to no drafting (up to probe_every_max), since a probe costs a drafting step's
+    # head work; after a drafting segment it is 1 (the first plain segment probes, so that a
+    # turn to plain decoding is checked again at once).
     #
     # A segment runs one while_loop per compiled variant (k, drafts to make), in a fixed order;
     # the loops of the variants not chosen run no step. Unlike lax.switch, whose branches XLA
     # gives a copy of every buffer they update (the whole KV cache, on every call of the
     # switch), a while_loop updates its carry in place: each variant's step is a fixed-k
     # engine's own step, and choosing k costs one controller evaluation per segment.
-    kd, every = self.kd, self.cfg.adapt_every
-    variants = [(k, nd) for k in range(kd + 1) for nd in sorted({k, kd})]
+    # Only the k the controller may choose under the cost table have loops (ks), and no step
+    # drafts more than the largest of them (kmax).
+    # A segment's last step is a variant of its own (`last`): it drafts what the next segment
+    # may verify (kmax), and the first draft's confidence, which the controller reads (the
+    # other steps skip that softmax). A probe drafts as few as the smallest k that may pay
+    # (ks[1]): the cheapest look at whether drafting pays again; a segment of that k then
+    # drafts kmax at its end.
+    every = self.cfg.adapt_every
+    variants = [(0, 0, False), (0, ks[1], True)]
+    for k in ks[1:]:
+      variants += [(k, k, False), (k, kmax, True)]
 
     def segment(carry):
       i, st = carry
-      k = self.choose_k(st)
-      n_seg = every - st.step % every            # steps to the end of the segment
+      phase = st.step % every
+      # A call that begins inside a drafting segment continues it: the confidences the
+      # controller reads come from a segment's last step, still to come. (Inside a plain
+      # segment it chooses again: rows inserted since bring fresh drafts.)
+      cont = (phase > 0) & (st.seg_k > 0) & (st.k_force < 0) & jnp.isin(st.seg_k, jnp.asarray(ks))
+      k = jnp.where(cont, st.seg_k, self.choose_k(st, ks))
       probe = (k == 0) & (st.plain_segs + 1 >= st.probe_gap) & (st.k_force < 0)
-      more = ((k > 0) | probe) & (k < kd)        # the last step drafts all Kd
+      last = (k > 0) | probe                     # the segment ends with a `last` variant
+      # A plain segment that does not probe drafts nothing, and with no fresh drafts the
+      # controller can only choose 0 again (a call's first segment still chooses, since insert
+      # brings fresh drafts): it runs on to the start of the probe segment in one go.
+      extra = jnp.where((k == 0) & ~probe & (st.k_force < 0),
+                        jnp.maximum(st.probe_gap - 2 - st.plain_segs, 0), 0)
+      n_run = every * (1 + extra) - phase        # steps to the end of the last segment run
       j = zero
-      for kv_, nd in variants:
-        # (k, k): the segment's steps, but the last when it drafts more; (k, Kd): that last.
-        end = n_seg - more.astype(jnp.int32) if nd == kv_ and kv_ < kd else n_seg
-        j, i, st = steps(j, i, st, kv_, nd, lambda j, kv_=kv_, end=end: (k == kv_) & (j < end))
-      seg_end = j == n_seg
+      for kv_, nd, is_last in variants:
+        end = n_run if is_last else n_run - last.astype(jnp.int32)
+        j, i, st = steps(j, i, st, kv_, nd, lambda j, kv_=kv_, end=end: (k == kv_) & (j < end),
+                         want_conf=is_last)
+      ended = (phase + j) // every               # segments completed
       gap = jnp.where(k > 0, 1, jnp.where(probe, jnp.minimum(2 * st.probe_gap,
                                                              self.cfg.probe_every_max),
                                           st.probe_gap))
-      n_plain = jnp.where((k > 0) | probe, 0, st.plain_segs + 1)
-      return i, st.replace(probe_gap=jnp.where(seg_end, gap, st.probe_gap),
-                           plain_segs=jnp.where(seg_end, n_plain, st.plain_segs))
+      n_plain = jnp.where((k > 0) | probe, 0, st.plain_segs + ended)
+      return i, st.replace(probe_gap=jnp.where(ended > 0, gap, st.probe_gap),
+                           plain_segs=jnp.where(ended > 0, n_plain, st.plain_segs), seg_k=k)
 
     return jax.lax.while_loop(lambda c: (c[0] < num_steps) & not_done(c[1]), segment,
                               (zero, state))[1]
@@ -730,7 +777,7 @@ class Engine:
     if sample is None:
       sample = needs_sampling(np.asarray(state.temperature), np.asarray(state.penalty))
     return self._generate(params, state, jnp.asarray(num_steps, jnp.int32),
-                          jnp.asarray(refill, jnp.int32), sample=sample)
+                          jnp.asarray(refill, jnp.int32), sample=sample, ks=self.ks)
 
 
 def tree_bytes(tree) -> int:

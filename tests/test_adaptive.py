@@ -64,6 +64,42 @@ def test_argmax_matches_brute_force():
     assert _choose(cost, alpha, active) == best_k
 
 
+def test_only_the_k_that_can_pay_are_kept():
+  assert A.viable_ks([1.0, 2.0, 3.0, 4.0]) == (0,)           # compute bound: k+1 tokens, k+1 steps
+  assert A.viable_ks([1.0, 1.01, 1.02, 1.03]) == (0, 1, 2, 3)
+  assert A.viable_ks([1.0, 1.5, 3.5, 3.7], 0.05) == (0, 1, 3)
+  assert A.viable_ks([1.0, 1.95, 2.8], 0.05) == (0, 2)        # k=1: 2/1.95 beats 1 by < 5%
+  # Exact: under any acceptance (all accepted included), neither objective picks another k.
+  rng = np.random.default_rng(1)
+  for _ in range(300):
+    k_max, b = int(rng.integers(1, 5)), int(rng.integers(1, 9))
+    cost = np.cumsum(rng.uniform(0.01, 1.5, k_max + 1)).astype(np.float32)
+    margin = float(rng.choice([0.0, 0.05]))
+    alpha = rng.uniform(0.5, 1, (b, k_max)) ** rng.choice([1, 8])
+    alpha[rng.uniform(size=b) < 0.3] = 1.0
+    active = rng.uniform(size=b) < 0.8
+    ks = A.viable_ks(cost, margin)
+    c, a, act = jnp.asarray(cost), jnp.asarray(alpha, jnp.float32), jnp.asarray(active)
+    assert int(A.choose_k(c, A.expected_emitted(a, act), margin)) in ks
+    rem = jnp.asarray(rng.integers(1, 100, b))
+    assert int(A.choose_k_to_finish(c, a, act, rem, margin)) in ks
+    assert int(A.choose_k(c, A.expected_emitted(jnp.ones_like(a), act), margin)) in ks
+
+
+def test_the_end_of_a_job_is_aimed_at_with_pessimistic_rates():
+  # One draft at 1.5x a plain step; a row accepting 60% is expected to emit 1.6 tokens a step.
+  cost, alpha = jnp.asarray([1.0, 1.5]), jnp.full((2, 1), 0.6)
+  act, rem = jnp.ones((2,), bool), jnp.asarray([40, 40])
+  assert int(A.choose_k_to_finish(cost, alpha, act, rem)) == 1
+  few, many = jnp.zeros((2, 1)), jnp.full((2, 1), 400.0)
+  low = A.pessimistic(alpha, few)
+  assert np.all(np.asarray(low) < 0.5) and np.allclose(A.pessimistic(alpha, few, 0.0), alpha)
+  assert np.all(np.asarray(A.pessimistic(alpha, many)) > 0.57)
+  # A row known from few trials might draft worse and set the end: plain decoding.
+  assert int(A.choose_k_to_finish(cost, low, act, rem)) == 0
+  assert int(A.choose_k_to_finish(cost, A.pessimistic(alpha, many), act, rem)) == 1
+
+
 def test_window_rates_are_conditional_per_position():
   ring = ring_lib.init_ring(4, 2, 3)
   # Step 0: row 0 verified 3, accepted 1; row 1 verified 3, accepted 3.
@@ -245,10 +281,54 @@ def test_adaptive_loop_writes_the_kv_cache_in_place(trained_tiny):
     b, s, g, h = state.cache.k[0].shape
     for sample in (False, True):
       hlo = eng._generate.lower(params, state, jnp.asarray(8, jnp.int32),
-                                jnp.asarray(0, jnp.int32), sample=sample).compile().as_text()
+                                jnp.asarray(0, jnp.int32), sample=sample,
+                                ks=eng.ks).compile().as_text()
       copies = re.findall(rf"= f32\[{b},{s},{g},{h}\]\S* copy\(", hlo)
       assert hlo.count("while(") >= (2 * eng.kd + 2 if adaptive else 1)
       assert not copies, (adaptive, sample, copies[:3])
+
+
+def test_only_the_variants_that_can_pay_are_compiled(trained_tiny):
+  """A k whose best case (every draft accepted) does not beat plain decoding under the cost
+  table gets no loop; with none left the adaptive engine compiles plain decoding's loop. The
+  output stays that of plain greedy decoding either way."""
+  _, workdir, _ = trained_tiny
+  mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
+  prompts = [tok.encode(t) for t in ("def f(x):\n", "import os\n\nclass A:\n", "    return x")]
+  reqs = [api.Request(p, n) for p, n in zip(prompts, [30, 12, 40])]
+  plain = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, k=0))
+  want = [c.token_ids for c in plain.run(reqs)]
+
+  def loops(eng):
+    hlo = eng._generate.lower(params, eng.init_state(), jnp.asarray(8, jnp.int32),
+                              jnp.asarray(0, jnp.int32), sample=False,
+                              ks=eng.ks).compile().as_text()
+    return hlo.count("while(")
+
+  dec = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, adaptive=True, ring_size=8,
+                                                          adapt_margin=0.0))
+  kd = dec.engine.kd
+  dec.engine.cost = [1.0, 1.01, 5.0] + [1.02 + 0.01 * i for i in range(kd - 2)]
+  assert dec.engine.ks == (0, 1) + tuple(range(3, kd + 1))
+  ran = []
+  orig = ring_lib.Drain.finish
+  def spy(self):
+    out = orig(self)
+    ran.extend(np.asarray(out[2])[np.asarray(out[3]) > 0].tolist())
+    return out
+  try:
+    ring_lib.Drain.finish = spy
+    out = dec.run(reqs)
+  finally:
+    ring_lib.Drain.finish = orig
+  assert [c.token_ids for c in out] == want
+  assert 2 not in ran and len(set(ran)) >= 2, sorted(set(ran))
+  full = loops(dec.engine)
+  dec.engine.cost = [1.0] + [2.0 + i for i in range(kd)]     # compute bound: no k pays
+  assert dec.engine.ks == (0,)
+  assert [c.token_ids for c in dec.run(reqs)] == want
+  assert dec.last_stats["drafted"] == [0] * kd
+  assert loops(dec.engine) == loops(plain.engine) < full
 
 
 def test_rates_of_a_run_become_the_next_runs_prior():

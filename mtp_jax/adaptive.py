@@ -18,9 +18,9 @@ Once no request waits for a slot (the host says so: DecodeState.closed), tokens 
 whole batch no longer matter, only when its last row finishes: the controller then minimises
 max over active rows of remaining_i / E_i[emitted | k] * c(k) (choose_k_to_finish). Otherwise
 rows that draft well would finish early and leave their slots idle while the rows that draft
-badly, at the same cost per step, set the end of the job. There each row's rates are taken one
-standard deviation low (pessimistic): a max over rows of noisy estimates is biased towards
-drafting, and a row whose few trials flatter it sets the end.
+badly, at the same cost per step, set the end of the job. There each row's rates are taken low
+by the noise a max over that many rows' estimates picks up (pessimistic): otherwise a row whose
+few trials flatter it would set the end.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from mtp_jax import ring as ring_lib
 
 PRIOR_TRIALS = 16.0   # trials after which the windowed rate outweighs the confidences
 ROW_PRIOR_TRIALS = 16.0  # trials after which a row's own rate outweighs the shared estimate
-FINISH_Z = 1.0           # the end-of-job objective's rates: this many standard deviations low
 
 
 def row_window(ring: ring_lib.Ring, step, window: int, k_max: int):
@@ -109,11 +108,14 @@ def row_alpha(rate_K, trials_K, conf_BK, cut_B, row_hits_BK=None, row_trials_BK=
   return jnp.where(pos < cut_B[:, None], jnp.clip(alpha, 0.0, 1.0), 0.0)
 
 
-def pessimistic(alpha_BK, row_trials_BK, z: float = FINISH_Z):
-  """A lower bound on each row's acceptance, z standard deviations below the estimate, by the
-  trials behind it (the row's own, plus ROW_PRIOR_TRIALS of shared estimate). For the end of
-  a job: its finish time is a max over rows, which noise in the rows' estimates biases low
-  (a row that drafts worse than its few trials show sets the end)."""
+def pessimistic(alpha_BK, row_trials_BK, active_B, z=None):
+  """Each row's acceptance estimate lowered by z standard deviations of it, by the trials
+  behind it (the row's own, plus ROW_PRIOR_TRIALS of shared estimate). For the end of a job:
+  its finish time is a max over the active rows, and noise in n rows' estimates biases that max
+  by about sqrt(2 ln n) standard deviations (the expected maximum of n standard normals), the
+  default z: a row that drafts worse than its few trials show sets the end. One row: none."""
+  n_act = jnp.maximum(jnp.sum(active_B.astype(jnp.float32)), 1.0)
+  z = jnp.sqrt(2.0 * jnp.log(n_act)) if z is None else z
   n = row_trials_BK + ROW_PRIOR_TRIALS
   a = alpha_BK - z * jnp.sqrt(alpha_BK * (1.0 - alpha_BK) / (n + 1.0))
   return jnp.clip(a, 0.0, 1.0)

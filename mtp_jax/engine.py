@@ -671,9 +671,9 @@ class Engine:
     active = ~state.done
     margin = self.cfg.adapt_margin
     k = jnp.where(state.closed,
-                  adaptive.choose_k_to_finish(state.cost, adaptive.pessimistic(alpha, trials_b),
-                                              active, state.stop_len - state.length, margin,
-                                              allowed),
+                  adaptive.choose_k_to_finish(
+                      state.cost, adaptive.pessimistic(alpha, trials_b, active), active,
+                      state.stop_len - state.length, margin, allowed),
                   adaptive.choose_k(state.cost, adaptive.expected_emitted(alpha, active), margin,
                                     allowed))
     forced = jnp.max(jnp.where(allowed & (jnp.arange(self.kd + 1) <= state.k_force),
@@ -726,11 +726,9 @@ class Engine:
     # drafts more than the largest of them (kmax).
     # A segment's last step is a variant of its own (`last`): it drafts what the next segment
     # may verify (kmax), and the first draft's confidence, which the controller reads (the
-    # other steps skip that softmax). A probe drafts as few as the smallest k that may pay
-    # (ks[1]): the cheapest look at whether drafting pays again; a segment of that k then
-    # drafts kmax at its end.
+    # other steps skip that softmax).
     every = self.cfg.adapt_every
-    variants = [(0, 0, False), (0, ks[1], True)]
+    variants = [(0, 0, False), (0, kmax, True)]
     for k in ks[1:]:
       variants += [(k, k, False), (k, kmax, True)]
 

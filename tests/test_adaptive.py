@@ -92,12 +92,17 @@ def test_the_end_of_a_job_is_aimed_at_with_pessimistic_rates():
   act, rem = jnp.ones((2,), bool), jnp.asarray([40, 40])
   assert int(A.choose_k_to_finish(cost, alpha, act, rem)) == 1
   few, many = jnp.zeros((2, 1)), jnp.full((2, 1), 400.0)
-  low = A.pessimistic(alpha, few)
-  assert np.all(np.asarray(low) < 0.5) and np.allclose(A.pessimistic(alpha, few, 0.0), alpha)
-  assert np.all(np.asarray(A.pessimistic(alpha, many)) > 0.57)
-  # A row known from few trials might draft worse and set the end: plain decoding.
+  low = A.pessimistic(alpha, few, act, 1.0)
+  assert np.all(np.asarray(low) < 0.5) and np.allclose(A.pessimistic(alpha, few, act, 0.0), alpha)
+  assert np.all(np.asarray(A.pessimistic(alpha, many, act, 1.0)) > 0.57)
+  # Rows known from few trials might draft worse and set the end: plain decoding.
   assert int(A.choose_k_to_finish(cost, low, act, rem)) == 0
-  assert int(A.choose_k_to_finish(cost, A.pessimistic(alpha, many), act, rem)) == 1
+  assert int(A.choose_k_to_finish(cost, A.pessimistic(alpha, many, act, 1.0), act, rem)) == 1
+  # The default z grows with the rows the max runs over: none for one row.
+  one = jnp.asarray([True, False])
+  assert np.allclose(A.pessimistic(alpha, few, one), alpha)
+  z2 = np.sqrt(2 * np.log(2))
+  assert np.allclose(A.pessimistic(alpha, few, act), A.pessimistic(alpha, few, act, z2))
 
 
 def test_window_rates_are_conditional_per_position():

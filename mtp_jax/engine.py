@@ -344,13 +344,13 @@ class Engine:
             if sample else jnp.zeros((b, kd, v), jnp.float32))
     return drafts, logq, conf
 
-  def _conf_cols(self, n: int, conf: bool = True) -> int:
+  def _conf_cols(self, n: int, want_conf: bool = True) -> int:
     """How many of n greedy drafts need a confidence: all of them for the threshold's cut; only
     the first for the controller alone (it reads later positions off the ring), and only where
-    it reads them (conf: the adaptive loop's last step of a segment); none otherwise."""
+    it reads them (want_conf: in the adaptive loop, a segment's last step); none otherwise."""
     if self.cfg.confidence_threshold > 0:
       return n
-    return min(n, 1) if self.needs_conf and conf else 0
+    return min(n, 1) if self.needs_conf and want_conf else 0
 
   def _pick(self, logits_BV, subs, i: int, sp, presence_BV, sample: bool, want_conf: bool):
     """One draft of an autoregressive drafter (draft model, sequential heads) from its logits:
@@ -559,7 +559,7 @@ class Engine:
 
     n_draft (default Kd): drafts to make for the next step. The adaptive loop drafts only what
     the next step may verify (none in a plain segment, so that choosing k = 0 costs what plain
-    decoding costs; k in a segment of k, all Kd at its end); the drafts not made keep their old
+    decoding costs; k in a segment of k, kmax at its end); the drafts not made keep their old
     values with zero confidence and are not fresh. want_conf: the controller reads this step's
     draft confidences (see _conf_cols).
     """
@@ -721,12 +721,11 @@ class Engine:
     # the loops of the variants not chosen run no step. Unlike lax.switch, whose branches XLA
     # gives a copy of every buffer they update (the whole KV cache, on every call of the
     # switch), a while_loop updates its carry in place: each variant's step is a fixed-k
-    # engine's own step, and choosing k costs one controller evaluation per segment.
-    # Only the k the controller may choose under the cost table have loops (ks), and no step
-    # drafts more than the largest of them (kmax).
-    # A segment's last step is a variant of its own (`last`): it drafts what the next segment
-    # may verify (kmax), and the first draft's confidence, which the controller reads (the
-    # other steps skip that softmax).
+    # engine's own step, and choosing k costs one controller evaluation per segment. Only the
+    # k the controller may choose under the cost table have loops (ks), and no step drafts
+    # more than the largest of them (kmax). A segment's last step is a variant of its own
+    # (`last`): it drafts what the next segment may verify (kmax), and the first draft's
+    # confidence, which the controller reads (the other steps skip that softmax).
     every = self.cfg.adapt_every
     variants = [(0, 0, False), (0, kmax, True)]
     for k in ks[1:]:

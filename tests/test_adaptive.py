@@ -1,6 +1,7 @@
 """The adaptive controller: synthetic costs and acceptance, the ring statistics, and k changing
 between steps without recompiles or any change of the output."""
 
+import contextlib
 import logging
 import os
 import re
@@ -142,6 +143,21 @@ def test_measured_costs_are_made_non_decreasing():
     assert np.all(np.diff(m) >= -1e-12) and np.isclose(m.sum(), c.sum())
 
 
+@contextlib.contextmanager
+def _ks_run():
+  """Collects the k of every step the decoder runs meanwhile (read off the drained rings)."""
+  ks, orig = [], ring_lib.Drain.finish
+  def spy(self):
+    out = orig(self)
+    ks.extend(np.asarray(out[2])[np.asarray(out[3]) > 0].tolist())
+    return out
+  ring_lib.Drain.finish = spy
+  try:
+    yield ks
+  finally:
+    ring_lib.Drain.finish = orig
+
+
 class _Compiles(logging.Handler):
   def __init__(self):
     super().__init__()
@@ -168,18 +184,10 @@ def test_k_changes_between_steps_without_recompiles_and_output_is_unchanged(trai
   dec.run(reqs[:1])
   counter = _Compiles()
   logging.getLogger("jax").addHandler(counter)
-  ks = []
-  orig = ring_lib.Drain.finish
-  def spy(self):
-    out = orig(self)
-    ks.extend(np.asarray(out[2])[np.asarray(out[3]) > 0].tolist())
-    return out
   try:
-    ring_lib.Drain.finish = spy
-    with jax.log_compiles(True):
+    with _ks_run() as ks, jax.log_compiles(True):
       out = dec.run(reqs)
   finally:
-    ring_lib.Drain.finish = orig
     logging.getLogger("jax").removeHandler(counter)
   assert counter.n == 0
   assert [c.token_ids for c in out] == [c.token_ids for c in plain]
@@ -315,17 +323,8 @@ def test_only_the_variants_that_can_pay_are_compiled(trained_tiny):
   kd = dec.engine.kd
   dec.engine.cost = [1.0, 1.01, 5.0] + [1.02 + 0.01 * i for i in range(kd - 2)]
   assert dec.engine.ks == (0, 1) + tuple(range(3, kd + 1))
-  ran = []
-  orig = ring_lib.Drain.finish
-  def spy(self):
-    out = orig(self)
-    ran.extend(np.asarray(out[2])[np.asarray(out[3]) > 0].tolist())
-    return out
-  try:
-    ring_lib.Drain.finish = spy
+  with _ks_run() as ran:
     out = dec.run(reqs)
-  finally:
-    ring_lib.Drain.finish = orig
   assert [c.token_ids for c in out] == want
   assert 2 not in ran and len(set(ran)) >= 2, sorted(set(ran))
   full = loops(dec.engine)

@@ -49,6 +49,11 @@ def record(ring: Ring, step, tokens_BK1, emitted_B, verified_B, accepted_B, k_us
               k_used=ring.k_used.at[i].set(k_used), active=ring.active.at[i].set(active))
 
 
+# Copies of the arrays a drain reads, made in one compiled call (the state they come from is
+# donated to the next generate call while the host reads them).
+_snapshot = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+
+
 class Drain:
   """Host side: rebuilds each row's token stream from ring snapshots.
 
@@ -65,7 +70,7 @@ class Drain:
     self._pending = None
 
   def start(self, ring: Ring, step, *extra):
-    snap = jax.tree.map(jnp.copy, (ring, step, extra))
+    snap = _snapshot((ring, step, extra))
     for x in jax.tree.leaves(snap):
       x.copy_to_host_async()
     self._pending = snap

@@ -281,6 +281,31 @@ def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(
   assert int(state.ring.verified.max()) > 0 and int(state.probe_gap) == 1
 
 
+def test_segments_of_all_heads_run_in_the_calls_top_level_loop(trained_tiny):
+  """A segment of kmax drafts runs in the call's top-level loop: when the segment loop would
+  begin one, the call ends at that segment boundary and the next call runs it there."""
+  _, workdir, _ = trained_tiny
+  mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
+  eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=1, adaptive=True, ring_size=16, adapt_every=2,
+                                          probe_every=2, adapt_margin=0.0), tok.eod_id)
+  kd = eng.kd
+  state = eng.init_state()
+  pre = eng.prefill(params, [tok.encode("def f(x):\n")], jnp.stack([jax.random.key(0)]), [0.0],
+                    [0], [1.0])
+  state = eng.insert(pre, state, [0], [100], [0.0], [0], [1.0])
+  # Two forced plain segments: no drafts made, and the next plain segment is a probe.
+  state = eng.generate(params, state.replace(k_force=jnp.asarray(0, jnp.int32)), 4)
+  assert int(state.n_fresh[0]) == 0
+  # Equal costs: the controller stays plain without fresh drafts, and drafts all heads once the
+  # probe brings some. The call ends after the probe segment (2 of its 16 steps).
+  state = eng.generate(params, state.replace(k_force=jnp.asarray(-1, jnp.int32)), 16)
+  assert int(state.step) == 6 and int(state.n_fresh[0]) == kd
+  assert np.asarray(state.ring.k_used)[4:6].tolist() == [0, 0]
+  state = eng.generate(params, state, 4)
+  assert int(state.step) == 10
+  assert np.asarray(state.ring.k_used)[6:10].tolist() == [kd] * 4
+
+
 def test_adaptive_loop_writes_the_kv_cache_in_place(trained_tiny):
   """Choosing k costs no copy of the KV cache: every step variant of the adaptive loop updates
   it in place, as a fixed-k engine's step does (the compiled loop holds no copy of a cache

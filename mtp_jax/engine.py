@@ -712,30 +712,29 @@ class Engine:
 
     # Adaptive k: the controller chooses k at the start of each segment of adapt_every steps
     # (segments run across calls: step counts them). A step drafts only what the next step
-    # may verify: k inside a segment of k, and kmax at its last step, so that the next segment
-    # may choose any k; a plain segment drafts nothing, except at the last step of a probe
-    # segment (so that the controller sees fresh confidences when acceptance may have
-    # recovered). Probes come every probe_gap plain segments; the gap doubles after each probe
-    # that leads to no drafting (up to probe_every_max), since a probe costs a drafting step's
-    # head work; after a drafting segment it is 1 (the first plain segment probes, so that a
-    # turn to plain decoding is checked again at once).
+    # may verify: k inside a segment of k, and kmax (the largest k in ks, the k the cost table
+    # lets the controller choose) at its last step, so that the next segment may choose any k;
+    # a plain segment drafts nothing, except at the last step of a probe segment (so that the
+    # controller sees fresh confidences when acceptance may have recovered). Probes come every
+    # probe_gap plain segments; the gap doubles after each probe that leads to no drafting (up
+    # to probe_every_max), since a probe costs a drafting step's head work; after a drafting
+    # segment it is 1 (the first plain segment probes, so that a turn to plain decoding is
+    # checked again at once).
     #
-    # A segment runs one while_loop per compiled variant (k, drafts to make), in a fixed order;
-    # the loops of the variants not chosen run no step. Unlike lax.switch, whose branches XLA
-    # gives a copy of every buffer they update (the whole KV cache, on every call of the
-    # switch), a while_loop updates its carry in place: each variant's step is a fixed-k
-    # engine's own step, and choosing k costs one controller evaluation per segment. Only the
-    # k the controller may choose under the cost table have loops (ks), and no step drafts
-    # more than the largest of them (kmax). A segment's last step is a variant of its own
-    # (`last`): it drafts what the next segment may verify (kmax), and the first draft's
-    # confidence, which the controller reads (the other steps skip that softmax).
-    #
-    # Segments of kmax (the k that small batches keep to) run in a loop of their own at the top
-    # level of the call, one step per iteration like a fixed-k engine's loop, the controller
-    # checked (lax.cond) where a segment ends: nested in the segment loop, the same steps ran
-    # 5-8% slower on XLA:CPU. Its steps all draft kmax with the first draft's confidence. When
-    # the segment loop below would begin a kmax segment, the call ends there, so that the next
-    # call runs it in this loop.
+    # A call runs three top-level loops, in order, each step a fixed-k engine's own step:
+    # 1. kmax segments (what small batches keep to), the controller checked by a lax.cond where
+    #    a segment ends; every step drafts kmax and the first draft's confidence;
+    # 2. plain segments up to the start of the next probe segment: with no fresh drafts the
+    #    controller can only choose 0 again;
+    # 3. the segment loop: probe segments and segments of the k between 0 and kmax, one
+    #    while_loop per variant (k, drafts to make) in a fixed order, only the chosen one's
+    #    running any step, a segment's last step a variant of its own (it drafts kmax and the
+    #    confidence the controller reads; the other steps skip that softmax). Where it would
+    #    begin a kmax segment or a plain run, the call ends, and the next call runs them in
+    #    loops 1 and 2.
+    # Why loops: a lax.switch over variants gives each branch a copy of every buffer it updates
+    # (the whole KV cache, every step); a while_loop updates its carry in place. Why at the top
+    # level: nested in the segment loop, the same steps ran 4-8% slower on XLA:CPU.
     every = self.cfg.adapt_every
     kmax_ = jnp.asarray(kmax, jnp.int32)
 
@@ -758,9 +757,23 @@ class Engine:
         lambda c: (c[1] == kmax) & (c[0] < num_steps) & not_done(c[2]), steady,
         (zero, choose(state), state))
     ran = i > 0      # as after a drafting segment: the first plain segment probes
-    state = st.replace(probe_gap=jnp.where(ran, 1, st.probe_gap),
-                       plain_segs=jnp.where(ran, 0, st.plain_segs),
-                       seg_k=jnp.where(ran, kmax_, st.seg_k))
+    st = st.replace(probe_gap=jnp.where(ran, 1, st.probe_gap),
+                    plain_segs=jnp.where(ran, 0, st.plain_segs),
+                    seg_k=jnp.where(ran, kmax_, st.seg_k))
+
+    # Plain segments that do not probe draft nothing, and with no fresh drafts the controller
+    # can only choose 0 again: they run in one top-level loop up to the start of the probe
+    # segment (a k forced to plain decoding, as when the cost table is measured: to the end of
+    # the call). Only the call's start chooses (inserted rows bring fresh drafts).
+    phase = st.step % every
+    k0 = choose(st)
+    forced = st.k_force >= 0
+    plain_run = (k0 == 0) & (forced | (st.plain_segs + 1 < st.probe_gap))
+    n_run = jnp.where(forced, num_steps - i,
+                      every * (st.probe_gap - 1 - st.plain_segs) - phase)
+    j, i, st = steps(zero, i, st, 0, 0, lambda j: plain_run & (j < n_run), want_conf=False)
+    st = st.replace(plain_segs=st.plain_segs + (phase + j) // every,
+                    seg_k=jnp.where(j > 0, 0, st.seg_k))
 
     variants = [(0, 0, False), (0, kmax, True)]
     for k in ks[1:-1]:
@@ -770,31 +783,25 @@ class Engine:
       i, _, st = carry
       phase = st.step % every
       k = choose(st)
-      stop = k == kmax                           # the next call runs it in the steady loop
       probe = (k == 0) & (st.plain_segs + 1 >= st.probe_gap) & (st.k_force < 0)
+      # A segment of kmax or a plain run ends the call: the next call runs it at the top.
+      stop = (k == kmax) | ((k == 0) & ~probe)
       last = (k > 0) | probe                     # the segment ends with a `last` variant
-      # A plain segment that does not probe drafts nothing, and with no fresh drafts the
-      # controller can only choose 0 again (a call's first segment still chooses, since insert
-      # brings fresh drafts): it runs on to the start of the probe segment in one go.
-      extra = jnp.where((k == 0) & ~probe & (st.k_force < 0),
-                        jnp.maximum(st.probe_gap - 2 - st.plain_segs, 0), 0)
-      n_run = every * (1 + extra) - phase        # steps to the end of the last segment run
+      n_run = every - phase                      # steps to the end of the segment
       j = zero
       for kv_, nd, is_last in variants:
         end = n_run if is_last else n_run - last.astype(jnp.int32)
-        j, i, st = steps(j, i, st, kv_, nd, lambda j, kv_=kv_, end=end: (k == kv_) & (j < end),
+        j, i, st = steps(j, i, st, kv_, nd,
+                         lambda j, kv_=kv_, end=end: ~stop & (k == kv_) & (j < end),
                          want_conf=is_last)
       ended = (phase + j) // every               # segments completed
-      gap = jnp.where(k > 0, 1, jnp.where(probe, jnp.minimum(2 * st.probe_gap,
-                                                             self.cfg.probe_every_max),
-                                          st.probe_gap))
-      n_plain = jnp.where((k > 0) | probe, 0, st.plain_segs + ended)
+      gap = jnp.where(k > 0, 1, jnp.minimum(2 * st.probe_gap, self.cfg.probe_every_max))
       return i, stop, st.replace(probe_gap=jnp.where(ended > 0, gap, st.probe_gap),
-                                 plain_segs=jnp.where(ended > 0, n_plain, st.plain_segs),
+                                 plain_segs=jnp.where(ended > 0, 0, st.plain_segs),
                                  seg_k=jnp.where(stop, st.seg_k, k))
 
     return jax.lax.while_loop(lambda c: ~c[1] & (c[0] < num_steps) & not_done(c[2]), segment,
-                              (i, jnp.zeros((), bool), state))[2]
+                              (i, jnp.zeros((), bool), st))[2]
 
   def generate(self, params, state: DecodeState, num_steps: int | None = None,
                sample: bool | None = None, refill: int = 0) -> DecodeState:

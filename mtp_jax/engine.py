@@ -172,7 +172,8 @@ class Engine:
         ring=ring_lib.init_ring(self.cfg.ring_size, b, kd), step=jnp.zeros((), jnp.int32),
         row_steps=jnp.zeros((b,), jnp.int32), row_emitted=jnp.zeros((b,), jnp.int32),
         drafted=jnp.zeros((kd,), jnp.int32), accepted=jnp.zeros((kd,), jnp.int32),
-        cost=jnp.asarray(self.cost if cost is None else cost, jnp.float32), k_force=jnp.asarray(-1, jnp.int32),
+        cost=jnp.asarray(self.cost if cost is None else cost, jnp.float32),
+        k_force=jnp.asarray(-1, jnp.int32),
         closed=jnp.asarray(False), probe_gap=jnp.asarray(self.cfg.probe_every, jnp.int32),
         plain_segs=jnp.zeros((), jnp.int32), seg_k=jnp.zeros((), jnp.int32),
         prior_rate=jnp.full((kd,), -1.0, jnp.float32))

@@ -31,7 +31,9 @@ _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt.")
 _PROMPT = flags.DEFINE_integer("prompt_tokens", 64, "Prompt length in tokens.")
 _ROUNDS = flags.DEFINE_integer("rounds", 1, "Prompts per slot (continuous batching refills).")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed runs per mode after compiling.")
-_REPEATS = flags.DEFINE_integer("repeats", 2, "Timed repeats per mode (the best is kept).")
+_REPEATS = flags.DEFINE_integer(
+    "repeats", 3, "Timed repeats per mode, interleaved across modes: the repeat of median "
+    "throughput is reported, the speedup is the median of per-repeat ratios to vanilla.")
 _TEMP = flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0 = greedy).")
 _ROOF = flags.DEFINE_bool("roofline", True, "Measure bandwidth and matmul throughput.")
 _OUT = flags.DEFINE_string("out", "", "Directory for results.json, results.md, results.png.")

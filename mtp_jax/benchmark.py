@@ -6,7 +6,9 @@ Modes: 'vanilla' (plain decoding, k = 0), 'mtp:K' (K drafts from the MTP heads p
 and 'ngram:K' (prompt lookup: K drafts copied from the row's own history). All go through the
 same verification, so greedy outputs are identical. Every (batch size, mode) pair gets its own
 compiled engine (compile time reported apart), warmed up before timing; timed runs of all modes
-are interleaved repeat by repeat, so that a noisy machine slows all of them alike.
+are interleaved repeat by repeat, so that a noisy machine slows all of them alike. A row is the
+mode's repeat of median throughput; its speedup is the median over repeats of the throughput ratio
+to the vanilla run of the same repeat (interquartile range in brackets in the table).
 
 Latency: a request's time to first token (TTFT) is from the start of the run to the moment the
 host holds its first token; its time per output token (TPOT) is (finish - first token) / (tokens
@@ -261,7 +263,9 @@ class Result:
   bound: str | None = None
   fits_in_cache: bool | None = None  # CPU: the step's bytes fit the last-level cache, so DRAM
                                      # bandwidth is not its roof (roofline_fraction may exceed 1)
-  speedup: float = 1.0
+  speedup: float = 1.0            # median over repeats of the ratio to vanilla's paired run
+  speedup_q25: float = 1.0
+  speedup_q75: float = 1.0
 
 
 def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: int,
@@ -308,7 +312,7 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
       for _ in range(warmup):
         dec.run(reqs[:b])                                 # host-side helpers warmed too
       decoders[mode] = dec
-    best = {m: None for m in modes}
+    runs = {m: [] for m in modes}
     for _ in range(repeats):
       for mode in modes:
         dec = decoders[mode]
@@ -322,23 +326,32 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
                          for o in outs]) * 1e3
         state_bytes = engine_lib.tree_bytes(jax.eval_shape(dec.engine.init_state))
         stats = jax.devices()[0].memory_stats() or {}
-        r = Result(mode, b, n / dt, st["acceptance_length"], st["acceptance_rate_per_position"],
-                   n, dt, st["steps"], float(np.percentile(ttft, 50)),
-                   float(np.percentile(ttft, 99)), float(np.percentile(tpot, 50)),
-                   float(np.percentile(tpot, 99)),
-                   (tm["wall_s"] - tm["wait_s"]) / max(st["steps"], 1) * 1e6, compile_s[mode],
-                   engine_lib.tree_bytes(dec.params) + state_bytes, stats.get("peak_bytes_in_use"))
-        if best[mode] is None or r.tokens_per_s > best[mode].tokens_per_s:
-          best[mode] = r
-    base_tps = best["vanilla"].tokens_per_s if "vanilla" in best else None
+        runs[mode].append(Result(
+            mode, b, n / dt, st["acceptance_length"], st["acceptance_rate_per_position"], n, dt,
+            st["steps"], float(np.percentile(ttft, 50)), float(np.percentile(ttft, 99)),
+            float(np.percentile(tpot, 50)), float(np.percentile(tpot, 99)),
+            (tm["wall_s"] - tm["wait_s"]) / max(st["steps"], 1) * 1e6, compile_s[mode],
+            engine_lib.tree_bytes(dec.params) + state_bytes, stats.get("peak_bytes_in_use")))
     for mode in modes:
-      r = best[mode]
-      if base_tps:
-        r.speedup = r.tokens_per_s / base_tps
+      r = summarize(runs[mode], runs.get("vanilla"))
       _roofline(r, decoders[mode], mcfg, hcfg, params, draft, machine)
       results.append(r)
       log(format_row(r))
   return results
+
+
+def summarize(runs: list[Result], base: list[Result] | None) -> Result:
+  """One row from a mode's timed repeats: the repeat of median throughput (its latencies and
+  counts with it), and the speedup as the median over repeats of the throughput ratio to the
+  vanilla run of the same repeat (run just before or after it), with its interquartile range.
+  Paired ratios follow a machine whose speed drifts between repeats; a ratio of the best runs
+  compares two lucky moments."""
+  r = dataclasses.replace(sorted(runs, key=lambda x: x.tokens_per_s)[(len(runs) - 1) // 2])
+  if base:
+    ratios = np.array([x.tokens_per_s / v.tokens_per_s for x, v in zip(runs, base)])
+    r.speedup = float(np.median(ratios))
+    r.speedup_q25, r.speedup_q75 = (float(q) for q in np.quantile(ratios, [0.25, 0.75]))
+  return r
 
 
 def _roofline(r: Result, dec, mcfg, hcfg, params, draft, machine):
@@ -361,7 +374,7 @@ def _roofline(r: Result, dec, mcfg, hcfg, params, draft, machine):
   r.fits_in_cache = None if not llc else nbytes < llc
 
 
-HEADER = ("| mode | batch | tokens/s | speedup | acceptance length | acceptance per position | "
+HEADER = ("| mode | batch | tokens/s | speedup (IQR) | acceptance length | acceptance per position | "
           "TTFT p50 ms | TPOT p50/p99 ms | host us/step | roofline | bound | compile s |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
@@ -371,7 +384,9 @@ def format_row(r: Result) -> str:
   roof = "-" if r.roofline_fraction is None else f"{r.roofline_fraction:.2f}"
   if r.fits_in_cache:
     roof += " (in cache)"
-  return (f"| {r.mode} | {r.batch_size} | {r.tokens_per_s:.1f} | {r.speedup:.2f} | "
+  spread = "" if r.speedup_q25 == r.speedup_q75 else \
+      f" ({r.speedup_q25:.2f}-{r.speedup_q75:.2f})"
+  return (f"| {r.mode} | {r.batch_size} | {r.tokens_per_s:.1f} | {r.speedup:.2f}{spread} | "
           f"{r.acceptance_length:.2f} | {per} | {r.ttft_ms_p50:.1f} | "
           f"{r.tpot_ms_p50:.2f}/{r.tpot_ms_p99:.2f} | {r.host_overhead_us:.0f} | {roof} | "
           f"{r.bound or '-'} | {r.compile_s:.1f} |")

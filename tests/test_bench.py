@@ -64,3 +64,21 @@ def test_cli_rejects_an_unknown_mode():
                      capture_output=True, text=True, timeout=300,
                      env=dict(os.environ, PYTHONPATH=ROOT))
   assert r.returncode != 0 and "unknown mode 'fast:3'" in r.stderr
+
+
+def test_speedup_is_the_median_of_paired_ratios():
+  def res(mode, tps):
+    return benchmark.Result(mode, 4, tps, 1.0, [], 100, 100 / tps, 10, 1.0, 1.0, 1.0, 1.0, 1.0,
+                            1.0, 1, None)
+  # The machine's speed drifts between repeats (vanilla 50-100 tokens/s); the mode's paired
+  # ratios are 1.1, 1.0, 0.75 (a disturbed run), 1.1 and 1.2.
+  van = [res("vanilla", t) for t in (100.0, 50.0, 80.0, 60.0, 90.0)]
+  mode = [res("mtp:1", t) for t in (110.0, 50.0, 60.0, 66.0, 108.0)]
+  r = benchmark.summarize(mode, van)
+  assert r.tokens_per_s == 66.0                        # the repeat of median throughput
+  assert abs(r.speedup - 1.1) < 1e-9
+  assert abs(r.speedup_q25 - 1.0) < 1e-9 and abs(r.speedup_q75 - 1.1) < 1e-9
+  assert mode[3].speedup == 1.0                        # the input rows are not changed
+  assert "| 66.0 | 1.10 (1.00-1.10) |" in benchmark.format_row(r)
+  v = benchmark.summarize(van, van)
+  assert v.speedup == 1.0 and "| 80.0 | 1.00 |" in benchmark.format_row(v)

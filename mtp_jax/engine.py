@@ -754,7 +754,8 @@ class Engine:
       k = jax.lax.cond(st.step % every == 0, lambda s: self.choose_k(s, ks), lambda s: kmax_, st)
       return i + 1, k, st
 
-    i, _, st = jax.lax.while_loop(
+    # k0: the k the call goes on with (what choose() gives for the loop's final state).
+    i, k0, st = jax.lax.while_loop(
         lambda c: (c[1] == kmax) & (c[0] < num_steps) & not_done(c[2]), steady,
         (zero, choose(state), state))
     ran = i > 0      # as after a drafting segment: the first plain segment probes
@@ -767,7 +768,6 @@ class Engine:
     # segment (a k forced to plain decoding, as when the cost table is measured: to the end of
     # the call). Only the call's start chooses (inserted rows bring fresh drafts).
     phase = st.step % every
-    k0 = choose(st)
     forced = st.k_force >= 0
     plain_run = (k0 == 0) & (forced | (st.plain_segs + 1 < st.probe_gap))
     n_run = jnp.where(forced, num_steps - i,

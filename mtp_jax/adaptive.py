@@ -198,13 +198,25 @@ def _code_version() -> str:
   return h.hexdigest()[:8]
 
 
+def _runtime() -> str:
+  """What else sets a step's cost on the same device kind: the jax version, the XLA flags, the
+  devices and (on CPU) the cores this process may use. A table measured with one XLA thread is
+  wrong for a run with two, and the reverse."""
+  try:
+    cores = len(os.sched_getaffinity(0))
+  except AttributeError:            # not on Linux
+    cores = os.cpu_count()
+  flags = hashlib.sha1(os.environ.get("XLA_FLAGS", "").encode()).hexdigest()[:8]
+  return f"jax={jax.__version__}|devices={jax.device_count()}|cores={cores}|xla_flags={flags}"
+
+
 def table_key(engine) -> str:
   m, d = engine.model_cfg, engine.cfg
   dev = jax.devices()[0]
   model = hashlib.sha1(repr((m, engine.heads_cfg)).encode()).hexdigest()[:12]
   return f"{dev.platform}:{getattr(dev, 'device_kind', '')}|model={model}|slots={d.batch_size}" \
          f"|max_len={d.max_len}|k_max={engine.kd}|adapt_every={d.adapt_every}" \
-         f"|code={_code_version()}"
+         f"|code={_code_version()}|{_runtime()}"
 
 
 def default_table_path() -> str:

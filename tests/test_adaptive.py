@@ -16,6 +16,7 @@ from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import engine as E
 from mtp_jax import ring as ring_lib
 from mtp_jax.config import DecodeConfig
+from tests.conftest import tiny_config
 
 
 def _choose(cost, alpha, active=None):
@@ -129,6 +130,24 @@ def test_cost_table_round_trip(tmp_path):
   A.save_table(path, "x", [1.0, 2.0])
   A.save_table(path, "y", [3.0])
   assert A.load_table(path, "x") == [1.0, 2.0] and A.load_table(path, "y") == [3.0]
+
+
+def test_cost_table_key_names_the_runtime(monkeypatch):
+  """A table measured under other XLA flags (one thread, say) or on other cores is not reused."""
+  cfg = tiny_config()
+  eng = E.Engine(cfg.model, cfg.heads, DecodeConfig(batch_size=2, k=-1, adaptive=True,
+                                                    max_len=32), 0)
+  flags = os.environ.get("XLA_FLAGS")
+  key = A.table_key(eng)
+  assert f"jax={jax.__version__}" in key and "|cores=" in key
+  monkeypatch.setenv("XLA_FLAGS", (flags or "") + " --xla_cpu_multi_thread_eigen=false")
+  assert A.table_key(eng) != key
+  monkeypatch.undo()
+  if hasattr(os, "sched_getaffinity"):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(97)))
+    assert "|cores=97|" in A.table_key(eng) and A.table_key(eng) != key
+    monkeypatch.undo()
+  assert A.table_key(eng) == key
 
 
 def test_measured_costs_are_made_non_decreasing():

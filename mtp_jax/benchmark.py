@@ -374,8 +374,9 @@ def _roofline(r: Result, dec, mcfg, hcfg, params, draft, machine):
   r.fits_in_cache = None if not llc else nbytes < llc
 
 
-HEADER = ("| mode | batch | tokens/s | speedup (IQR) | acceptance length | acceptance per position | "
-          "TTFT p50 ms | TPOT p50/p99 ms | host us/step | roofline | bound | compile s |\n"
+HEADER = ("| mode | batch | tokens/s | speedup (IQR) | acceptance length | "
+          "acceptance per position | TTFT p50 ms | TPOT p50/p99 ms | host us/step | roofline | "
+          "bound | compile s |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 

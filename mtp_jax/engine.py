@@ -661,6 +661,14 @@ class Engine:
     cut = jnp.where(jnp.any(low, 1), jnp.argmax(low, 1), self.kd).astype(jnp.int32)
     return jnp.minimum(cut, state.n_fresh)
 
+  def controller_limit(self, state: DecodeState):
+    """Per row, the drafts the controller may expect it to verify: none without a fresh draft
+    (a plain step drafts nothing), the threshold's cut where it falls within the fresh drafts,
+    else all Kd: a probe drafts only the first head, and the positions past it are estimated
+    from the ring's rates and the prior (row_alpha), as for any position that has no draft yet."""
+    lim = self.row_limit(state)
+    return jnp.where((state.n_fresh > 0) & (lim >= state.n_fresh), self.kd, lim).astype(jnp.int32)
+
   def choose_k(self, state: DecodeState, ks: tuple[int, ...] | None = None):
     """The controller: k for the next step, on the device (see adaptive.py), one of ks
     (default self.ks); a forced k (k_force) becomes the largest of ks not above it."""
@@ -669,9 +677,9 @@ class Engine:
     hits_b, trials_b = adaptive.row_window(state.ring, state.step, self.cfg.accept_window,
                                            self.kd)
     rate, trials = adaptive.other_rows_rates(hits_b, trials_b)
-    # Stale drafts (past a row's fresh ones) are expected to accept nothing.
-    alpha = adaptive.row_alpha(rate, trials, state.draft_conf, self.row_limit(state), hits_b,
-                               trials_b, state.prior_rate)
+    # A row without a fresh draft is expected to accept nothing (controller_limit).
+    alpha = adaptive.row_alpha(rate, trials, state.draft_conf, self.controller_limit(state),
+                               hits_b, trials_b, state.prior_rate)
     active = ~state.done
     margin = self.cfg.adapt_margin
     k = jnp.where(state.closed,
@@ -722,17 +730,17 @@ class Engine:
     # segment it is 1 (the first plain segment probes, so that a turn to plain decoding is
     # checked again at once).
     #
-    # A call runs three top-level loops, in order, each step a fixed-k engine's own step:
+    # A call runs four top-level loops, in order, each step a fixed-k engine's own step:
     # 1. kmax segments (what small batches keep to), the controller checked by a lax.cond where
     #    a segment ends; every step drafts kmax and the first draft's confidence;
     # 2. plain segments up to the start of the next probe segment: with no fresh drafts the
     #    controller can only choose 0 again;
     # 3. the segment loop: probe segments and segments of the k between 0 and kmax, one
     #    while_loop per variant (k, drafts to make) in a fixed order, only the chosen one's
-    #    running any step, a segment's last step a variant of its own (it drafts kmax and the
-    #    confidence the controller reads; the other steps skip that softmax). Where it would
-    #    begin a kmax segment or a plain run, the call ends, and the next call runs them in
-    #    loops 1 and 2.
+    #    running any step, a segment's last step a variant of its own (it drafts kmax, one
+    #    head in a probe, and the confidence the controller reads; the other steps skip that
+    #    softmax). It stops where it would begin a kmax segment or a plain run;
+    # 4. that plain run, as in 2. The call ends there, and the next one begins at loop 1.
     # Why loops: a lax.switch over variants gives each branch a copy of every buffer it updates
     # (the whole KV cache, every step); a while_loop updates its carry in place. Why at the top
     # level: nested in the segment loop, the same steps ran 4-8% slower on XLA:CPU.
@@ -763,20 +771,26 @@ class Engine:
                     plain_segs=jnp.where(ran, 0, st.plain_segs),
                     seg_k=jnp.where(ran, kmax_, st.seg_k))
 
-    # Plain segments that do not probe draft nothing, and with no fresh drafts the controller
-    # can only choose 0 again: they run in one top-level loop up to the start of the probe
-    # segment (a k forced to plain decoding, as when the cost table is measured: to the end of
-    # the call). Only the call's start chooses (inserted rows bring fresh drafts).
-    phase = st.step % every
-    forced = st.k_force >= 0
-    plain_run = (k0 == 0) & (forced | (st.plain_segs + 1 < st.probe_gap))
-    n_run = jnp.where(forced, num_steps - i,
-                      every * (st.probe_gap - 1 - st.plain_segs) - phase)
-    j, i, st = steps(zero, i, st, 0, 0, lambda j: plain_run & (j < n_run), want_conf=False)
-    st = st.replace(plain_segs=st.plain_segs + (phase + j) // every,
-                    seg_k=jnp.where(j > 0, 0, st.seg_k))
+    def plain(i, k, st):
+      """Plain segments that do not probe draft nothing, and with no fresh drafts the
+      controller can only choose 0 again: where k is 0 they run in one top-level loop up to the
+      start of the probe segment (a k forced to plain decoding, as when the cost table is
+      measured: to the end of the call). -> (i, st)"""
+      phase = st.step % every
+      forced = st.k_force >= 0
+      run = (k == 0) & (forced | (st.plain_segs + 1 < st.probe_gap))
+      n_run = jnp.where(forced, num_steps - i, every * (st.probe_gap - 1 - st.plain_segs) - phase)
+      j, i, st = steps(zero, i, st, 0, 0, lambda j: run & (j < n_run), want_conf=False)
+      return i, st.replace(plain_segs=st.plain_segs + (phase + j) // every,
+                           seg_k=jnp.where(j > 0, 0, st.seg_k))
 
-    variants = [(0, 0, False), (0, kmax, True)]
+    # Only the call's start chooses (inserted rows bring fresh drafts).
+    i, st = plain(i, k0, st)
+
+    # A probe drafts one head: the controller reads the first draft's confidence, and takes
+    # the later positions' rates from the ring and the prior (see controller_limit); a drafting
+    # segment after it verifies that one draft at its first step and drafts its k from there.
+    variants = [(0, 0, False), (0, 1, True)]
     for k in ks[1:-1]:
       variants += [(k, k, False), (k, kmax, True)]
 
@@ -797,12 +811,17 @@ class Engine:
                          want_conf=is_last)
       ended = (phase + j) // every               # segments completed
       gap = jnp.where(k > 0, 1, jnp.minimum(2 * st.probe_gap, self.cfg.probe_every_max))
-      return i, stop, st.replace(probe_gap=jnp.where(ended > 0, gap, st.probe_gap),
-                                 plain_segs=jnp.where(ended > 0, 0, st.plain_segs),
-                                 seg_k=jnp.where(stop, st.seg_k, k))
+      return i, jnp.where(stop, k, -1), st.replace(
+          probe_gap=jnp.where(ended > 0, gap, st.probe_gap),
+          plain_segs=jnp.where(ended > 0, 0, st.plain_segs), seg_k=jnp.where(stop, st.seg_k, k))
 
-    return jax.lax.while_loop(lambda c: ~c[1] & (c[0] < num_steps) & not_done(c[2]), segment,
-                              (i, jnp.zeros((), bool), st))[2]
+    # The segment loop's carry: (i, the k it stopped at (-1: none yet), st).
+    i, k_stop, st = jax.lax.while_loop(
+        lambda c: (c[1] < 0) & (c[0] < num_steps) & not_done(c[2]), segment,
+        (i, jnp.asarray(-1, jnp.int32), st))
+    # Where it stopped at a plain run (after a probe that found nothing worth drafting), the
+    # run follows in this call, up to the next probe: otherwise every probe would end its call.
+    return plain(i, k_stop, st)[1]
 
   def generate(self, params, state: DecodeState, num_steps: int | None = None,
                sample: bool | None = None, refill: int = 0) -> DecodeState:

@@ -270,13 +270,13 @@ def test_a_rows_own_counts_are_not_counted_twice():
 
 
 def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(trained_tiny):
-  """A plain segment drafts all heads at its end only as a probe; while probes lead to no
+  """A plain segment drafts (one head) at its end only as a probe; while probes lead to no
   drafting the gap between them doubles (up to probe_every_max; the count carries across
-  generate calls, here of one step each), and a drafting segment sets it to 1 (the next plain
-  segment probes)."""
+  generate calls, here of one step each), a probe that finds nothing does not end its call,
+  and a drafting segment sets the gap to 1 (the next plain segment probes)."""
   _, workdir, _ = trained_tiny
   mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
-  eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=1, adaptive=True, ring_size=8, adapt_every=2,
+  eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=1, adaptive=True, ring_size=16, adapt_every=2,
                                           probe_every=2, probe_every_max=4),
                  tok.eod_id)
   state = eng.init_state()
@@ -293,6 +293,11 @@ def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(
   # Segments of 2 steps; probes after 2, then 4, then 4 (the cap) plain segments.
   assert probes == [3, 11, 19, 27], probes
   assert int(state.probe_gap) == 4
+  # A call through the next probe (the step to 36): plain up to it, the probe segment, then
+  # plain decoding again in the same call, to the call's 12 steps.
+  state = eng.generate(params, state, 12)
+  assert int(state.step) == 40 and int(state.ring.verified.max()) == 0
+  assert int(state.n_fresh[0]) == 0 and int(state.plain_segs) == 2
   # Drafting made to pay even at the tiny heads' low acceptance: the next segment drafts, and
   # the gap is 1 again.
   state = state.replace(cost=jnp.asarray([1.0] + [0.9] * eng.kd))
@@ -316,9 +321,10 @@ def test_segments_of_all_heads_run_in_the_calls_top_level_loop(trained_tiny):
   state = eng.generate(params, state.replace(k_force=jnp.asarray(0, jnp.int32)), 4)
   assert int(state.n_fresh[0]) == 0
   # Equal costs: the controller stays plain without fresh drafts, and drafts all heads once the
-  # probe brings some. The call ends after the probe segment (2 of its 16 steps).
+  # probe brings one draft (the later positions' rates come from the prior). The call ends
+  # after the probe segment (2 of its 16 steps).
   state = eng.generate(params, state.replace(k_force=jnp.asarray(-1, jnp.int32)), 16)
-  assert int(state.step) == 6 and int(state.n_fresh[0]) == kd
+  assert int(state.step) == 6 and int(state.n_fresh[0]) == 1
   assert np.asarray(state.ring.k_used)[4:6].tolist() == [0, 0]
   state = eng.generate(params, state, 4)
   assert int(state.step) == 10

@@ -78,15 +78,25 @@ def test_greedy_with_repetition_penalty_equals_the_reference(tiny_model):
   a, b = plain.run(reqs), spec.run(reqs)
   assert [r.token_ids for r in a] == [r.token_ids for r in b]
   from mtp_jax import model as M, sampling as S
-  m = M.bind(spec.engine.graphdef, params)
+  width = max(len(p) for p in prompts) + 24
+
+  @jax.jit
+  def next_token(seq_1W, n):
+    """The full forward pass without a cache over the first n tokens (one compiled shape: a
+    causal model's position n-1 does not see the padding after it), penalised, argmax."""
+    m = M.bind(spec.engine.graphdef, params)
+    h, _ = m(seq_1W, jnp.arange(width)[None])
+    known = jnp.arange(width) < n
+    pres = jnp.zeros((1, mcfg.vocab_size), bool).at[0, seq_1W[0]].max(known)
+    logits = S.penalize(m.logits(h[:, n - 1]), jnp.array([1.8]), pres)
+    return jnp.argmax(logits[0])
+
   for p, r in zip(prompts, a):
-    seq = list(p)
-    for _ in range(len(r.token_ids)):
-      h, _ = m(jnp.asarray([seq]), jnp.arange(len(seq))[None])
-      pres = jnp.zeros((1, mcfg.vocab_size), bool).at[0, jnp.asarray(seq)].set(True)
-      logits = S.penalize(m.logits(h[:, -1]), jnp.array([1.8]), pres)
-      seq.append(int(jnp.argmax(logits[0])))
-    assert seq[len(p):] == r.token_ids
+    seq = np.zeros((1, width), np.int32)
+    seq[0, :len(p)] = p
+    for n in range(len(p), len(p) + len(r.token_ids)):
+      seq[0, n] = int(next_token(jnp.asarray(seq), n))
+    assert seq[0, len(p):len(p) + len(r.token_ids)].tolist() == r.token_ids
   no_penalty = plain.run([api.Request(p, 24) for p in prompts])
   assert [r.token_ids for r in no_penalty] != [r.token_ids for r in a]
 

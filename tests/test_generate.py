@@ -23,9 +23,19 @@ def test_greedy_with_cache_equals_uncached_argmax_loop():
     prompt[b, :l] = rng.integers(0, cfg.model.vocab_size, l)
   out = np.asarray(G.greedy_generate(graphdef, params, jnp.asarray(prompt),
                                      jnp.asarray(lengths, jnp.int32), n))
+  width = p + n
+
+  @jax.jit
+  def next_token(params, seq_1W, t):
+    """The full forward pass without a cache over the first t tokens (one compiled shape: a
+    causal model's position t-1 does not see the padding after it), argmax."""
+    model = M.bind(graphdef, params)
+    h, _ = model(seq_1W, jnp.arange(width)[None])
+    return jnp.argmax(model.logits(h[0, t - 1]))
+
   for b, l in enumerate(lengths):
-    seq = list(prompt[b, :l])
-    for _ in range(n):
-      h, _ = m(jnp.asarray([seq]), jnp.arange(len(seq))[None])
-      seq.append(int(jnp.argmax(m.logits(h[0, -1]))))
-    assert out[b, : l + n].tolist() == seq
+    seq = np.zeros((1, width), np.int32)
+    seq[0, :l] = prompt[b, :l]
+    for t in range(l, l + n):
+      seq[0, t] = int(next_token(params, jnp.asarray(seq), t))
+    assert out[b, : l + n].tolist() == seq[0, : l + n].tolist()

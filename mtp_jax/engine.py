@@ -64,7 +64,8 @@ class DecodeState:
   closed: jax.Array        # [] bool: no request waits for a slot (the controller then aims at
                            # the end of the job rather than tokens per second; see adaptive.py)
   probe_gap: jax.Array     # [] plain segments between probes (probe_every at the start,
-                           # doubling while probes find nothing worth drafting; 1 after k > 0)
+                           # doubling while probes find nothing worth drafting; accept_window
+                           # steps after k > 0)
   plain_segs: jax.Array    # [] plain segments ended since the last probe or drafting segment
   seg_k: jax.Array         # [] k of the current segment (a call that begins inside a segment
                            # continues it)
@@ -727,8 +728,8 @@ class Engine:
     # controller sees fresh confidences when acceptance may have recovered). Probes come every
     # probe_gap plain segments; the gap doubles after each probe that leads to no drafting (up
     # to probe_every_max), since a probe costs a drafting step's head work; after a drafting
-    # segment it is 1 (the first plain segment probes, so that a turn to plain decoding is
-    # checked again at once).
+    # segment it is accept_window steps (in segments): the turn to plain decoding is checked
+    # again once the rates that made it have left the window.
     #
     # A call runs four top-level loops, in order, each step a fixed-k engine's own step:
     # 1. kmax segments (what small batches keep to), the controller checked by a lax.cond where
@@ -746,6 +747,10 @@ class Engine:
     # level: nested in the segment loop, the same steps ran 4-8% slower on XLA:CPU.
     every = self.cfg.adapt_every
     kmax_ = jnp.asarray(kmax, jnp.int32)
+    # After a drafting segment, the first probe comes once its steps have left the acceptance
+    # window: a probe before that would be weighed against the same rates that made the
+    # controller turn to plain decoding, and find the same.
+    after_drafting = min(-(-self.cfg.accept_window // every), self.cfg.probe_every_max)
 
     def choose(st):
       """The k of the segment st.step begins, or continues: a call that begins inside a
@@ -766,8 +771,8 @@ class Engine:
     i, k0, st = jax.lax.while_loop(
         lambda c: (c[1] == kmax) & (c[0] < num_steps) & not_done(c[2]), steady,
         (zero, choose(state), state))
-    ran = i > 0      # as after a drafting segment: the first plain segment probes
-    st = st.replace(probe_gap=jnp.where(ran, 1, st.probe_gap),
+    ran = i > 0      # as after a drafting segment
+    st = st.replace(probe_gap=jnp.where(ran, after_drafting, st.probe_gap),
                     plain_segs=jnp.where(ran, 0, st.plain_segs),
                     seg_k=jnp.where(ran, kmax_, st.seg_k))
 
@@ -810,7 +815,8 @@ class Engine:
                          lambda j, kv_=kv_, end=end: ~stop & (k == kv_) & (j < end),
                          want_conf=is_last)
       ended = (phase + j) // every               # segments completed
-      gap = jnp.where(k > 0, 1, jnp.minimum(2 * st.probe_gap, self.cfg.probe_every_max))
+      gap = jnp.where(k > 0, after_drafting,
+                      jnp.minimum(2 * st.probe_gap, self.cfg.probe_every_max))
       return i, jnp.where(stop, k, -1), st.replace(
           probe_gap=jnp.where(ended > 0, gap, st.probe_gap),
           plain_segs=jnp.where(ended > 0, 0, st.plain_segs), seg_k=jnp.where(stop, st.seg_k, k))

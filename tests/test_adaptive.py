@@ -273,11 +273,11 @@ def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(
   """A plain segment drafts (one head) at its end only as a probe; while probes lead to no
   drafting the gap between them doubles (up to probe_every_max; the count carries across
   generate calls, here of one step each), a probe that finds nothing does not end its call,
-  and a drafting segment sets the gap to 1 (the next plain segment probes)."""
+  and a drafting segment sets the gap to the acceptance window (in segments)."""
   _, workdir, _ = trained_tiny
   mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
   eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=1, adaptive=True, ring_size=16, adapt_every=2,
-                                          probe_every=2, probe_every_max=4),
+                                          probe_every=2, probe_every_max=4, accept_window=6),
                  tok.eod_id)
   state = eng.init_state()
   pre = eng.prefill(params, [tok.encode("def f(x):\n")], jnp.stack([jax.random.key(0)]), [0.0],
@@ -299,10 +299,11 @@ def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(
   assert int(state.step) == 40 and int(state.ring.verified.max()) == 0
   assert int(state.n_fresh[0]) == 0 and int(state.plain_segs) == 2
   # Drafting made to pay even at the tiny heads' low acceptance: the next segment drafts, and
-  # the gap is 1 again.
+  # the gap is the acceptance window's 6 steps (3 segments): probes before that would see the
+  # same rates.
   state = state.replace(cost=jnp.asarray([1.0] + [0.9] * eng.kd))
   state = eng.generate(params, state, 4)
-  assert int(state.ring.verified.max()) > 0 and int(state.probe_gap) == 1
+  assert int(state.ring.verified.max()) > 0 and int(state.probe_gap) == 3
 
 
 def test_segments_of_all_heads_run_in_the_calls_top_level_loop(trained_tiny):

@@ -352,7 +352,8 @@ class Engine:
   def _conf_cols(self, n: int, want_conf: bool = True) -> int:
     """How many of n greedy drafts need a confidence: all of them for the threshold's cut; only
     the first for the controller alone (it reads later positions off the ring), and only where
-    it reads them (want_conf: in the adaptive loop, a segment's last step); none otherwise."""
+    it may read them (want_conf: in the adaptive loop, drafting steps and a probe); none
+    otherwise."""
     if self.cfg.confidence_threshold > 0:
       return n
     return min(n, 1) if self.needs_conf and want_conf else 0
@@ -563,10 +564,10 @@ class Engine:
     head doubts; a row never verifies more than its fresh drafts (n_fresh).
 
     n_draft (default Kd): drafts to make for the next step. The adaptive loop drafts only what
-    the next step may verify (none in a plain segment, so that choosing k = 0 costs what plain
-    decoding costs; k in a segment of k, kmax at its end); the drafts not made keep their old
-    values with zero confidence and are not fresh. want_conf: the controller reads this step's
-    draft confidences (see _conf_cols).
+    the next step of the same k may verify (none in a plain segment, so that choosing k = 0
+    costs what plain decoding costs; one head at the end of a probe segment); the drafts not
+    made keep their old values with zero confidence and are not fresh. want_conf: the
+    controller reads this step's draft confidences (see _conf_cols).
     """
     nd = self.kd if n_draft is None else n_draft
     length = state.length
@@ -721,60 +722,63 @@ class Engine:
       return steps(zero, zero, state, 0, 0, lambda j: True)[2]
 
     # Adaptive k: the controller chooses k at the start of each segment of adapt_every steps
-    # (segments run across calls: step counts them). A step drafts only what the next step
-    # may verify: k inside a segment of k, and kmax (the largest k in ks, the k the cost table
-    # lets the controller choose) at its last step, so that the next segment may choose any k;
-    # a plain segment drafts nothing, except at the last step of a probe segment (so that the
-    # controller sees fresh confidences when acceptance may have recovered). Probes come every
-    # probe_gap plain segments; the gap doubles after each probe that leads to no drafting (up
-    # to probe_every_max), since a probe costs a drafting step's head work; after a drafting
-    # segment it is accept_window steps (in segments): the turn to plain decoding is checked
-    # again once the rates that made it have left the window.
+    # (segments run across calls: step counts them). A drafting step drafts its own k and the
+    # first draft's confidence (what the controller reads); where the controller raises k, the
+    # first step of the larger k verifies the drafts there are (n_fresh), and the controller
+    # estimates the positions past a row's fresh drafts from the rates and the prior
+    # (controller_limit). A plain segment drafts nothing, except at the last step of a probe
+    # segment, one head (so that the controller sees fresh confidences when acceptance may have
+    # recovered). Probes come every probe_gap plain segments; the gap doubles after each probe
+    # that leads to no drafting (up to probe_every_max), since a probe costs head work; after a
+    # drafting segment it is accept_window steps (in segments): the turn to plain decoding is
+    # checked again once the rates that made it have left the window.
     #
-    # A call runs four top-level loops, in order, each step a fixed-k engine's own step:
-    # 1. kmax segments (what small batches keep to), the controller checked by a lax.cond where
-    #    a segment ends; every step drafts kmax and the first draft's confidence;
+    # A call runs top-level loops, in order, each step a fixed-k engine's own step:
+    # 1. one loop per drafting k of ks, the largest first, each running while the controller
+    #    keeps to its k (checked by a lax.cond where a segment ends);
     # 2. plain segments up to the start of the next probe segment: with no fresh drafts the
     #    controller can only choose 0 again;
-    # 3. the segment loop: probe segments and segments of the k between 0 and kmax, one
-    #    while_loop per variant (k, drafts to make) in a fixed order, only the chosen one's
-    #    running any step, a segment's last step a variant of its own (it drafts kmax, one
-    #    head in a probe, and the confidence the controller reads; the other steps skip that
-    #    softmax). It stops where it would begin a kmax segment or a plain run;
-    # 4. that plain run, as in 2. The call ends there, and the next one begins at loop 1.
-    # Why loops: a lax.switch over variants gives each branch a copy of every buffer it updates
-    # (the whole KV cache, every step); a while_loop updates its carry in place. Why at the top
-    # level: nested in the segment loop, the same steps ran 4-8% slower on XLA:CPU.
+    # 3. the probe loop: probe segments (plain steps, the last one drafting one head), while
+    #    the controller keeps to plain decoding; it stops where a drafting segment or a plain
+    #    run would begin;
+    # 4. that plain run, as in 2.
+    # The call ends where the controller raises k past the loops already run (the next call
+    # begins at loop 1). Why loops: a lax.switch over variants gives each branch a copy of
+    # every buffer it updates (the whole KV cache, every step); a while_loop updates its carry
+    # in place. Why at the top level: nested in a segment loop, the same steps ran 4-8% slower
+    # on XLA:CPU.
     every = self.cfg.adapt_every
-    kmax_ = jnp.asarray(kmax, jnp.int32)
-    # After a drafting segment, the first probe comes once its steps have left the acceptance
-    # window: a probe before that would be weighed against the same rates that made the
-    # controller turn to plain decoding, and find the same.
     after_drafting = min(-(-self.cfg.accept_window // every), self.cfg.probe_every_max)
 
     def choose(st):
       """The k of the segment st.step begins, or continues: a call that begins inside a
-      drafting segment continues it, since the confidences the controller reads come from a
-      segment's last step, still to come (inside a plain segment it chooses again: rows
-      inserted since bring fresh drafts)."""
+      drafting segment continues it (k is chosen once per segment; inside a plain segment it
+      chooses again: rows inserted since bring fresh drafts)."""
       cont = ((st.step % every > 0) & (st.seg_k > 0) & (st.k_force < 0)
               & jnp.isin(st.seg_k, jnp.asarray(ks)))
       return jnp.where(cont, st.seg_k, self.choose_k(st, ks))
 
-    def steady(c):
-      i, _, st = c
-      st = self.step(m, st, kmax, sample, kmax, dm=dm, want_conf=True)
-      k = jax.lax.cond(st.step % every == 0, lambda s: self.choose_k(s, ks), lambda s: kmax_, st)
-      return i + 1, k, st
+    def steady(k):
+      k_ = jnp.asarray(k, jnp.int32)
 
-    # k0: the k the call goes on with (what choose() gives for the loop's final state).
-    i, k0, st = jax.lax.while_loop(
-        lambda c: (c[1] == kmax) & (c[0] < num_steps) & not_done(c[2]), steady,
-        (zero, choose(state), state))
-    ran = i > 0      # as after a drafting segment
+      def body(c):
+        i, _, st = c
+        st = self.step(m, st, k, sample, k, dm=dm, want_conf=True)
+        nk = jax.lax.cond(st.step % every == 0, lambda s: self.choose_k(s, ks), lambda s: k_, st)
+        return i + 1, nk, st
+      return body
+
+    # kc: the k the call goes on with (what choose() gives for the state reached).
+    i, kc, st, seg = zero, choose(state), state, state.seg_k
+    for k in sorted(ks[1:], reverse=True):
+      i0 = i
+      i, kc, st = jax.lax.while_loop(
+          lambda c, k=k: (c[1] == k) & (c[0] < num_steps) & not_done(c[2]), steady(k),
+          (i, kc, st))
+      seg = jnp.where(i > i0, k, seg)
+    ran = i > 0
     st = st.replace(probe_gap=jnp.where(ran, after_drafting, st.probe_gap),
-                    plain_segs=jnp.where(ran, 0, st.plain_segs),
-                    seg_k=jnp.where(ran, kmax_, st.seg_k))
+                    plain_segs=jnp.where(ran, 0, st.plain_segs), seg_k=seg)
 
     def plain(i, k, st):
       """Plain segments that do not probe draft nothing, and with no fresh drafts the
@@ -789,41 +793,27 @@ class Engine:
       return i, st.replace(plain_segs=st.plain_segs + (phase + j) // every,
                            seg_k=jnp.where(j > 0, 0, st.seg_k))
 
-    # Only the call's start chooses (inserted rows bring fresh drafts).
-    i, st = plain(i, k0, st)
+    # Only the call's start and the drafting loops choose (inserted rows bring fresh drafts).
+    i, st = plain(i, kc, st)
 
-    # A probe drafts one head: the controller reads the first draft's confidence, and takes
-    # the later positions' rates from the ring and the prior (see controller_limit); a drafting
-    # segment after it verifies that one draft at its first step and drafts its k from there.
-    variants = [(0, 0, False), (0, 1, True)]
-    for k in ks[1:-1]:
-      variants += [(k, k, False), (k, kmax, True)]
-
-    def segment(carry):
+    def probe_segment(carry):
       i, _, st = carry
       phase = st.step % every
       k = choose(st)
       probe = (k == 0) & (st.plain_segs + 1 >= st.probe_gap) & (st.k_force < 0)
-      # A segment of kmax or a plain run ends the call: the next call runs it at the top.
-      stop = (k == kmax) | ((k == 0) & ~probe)
-      last = (k > 0) | probe                     # the segment ends with a `last` variant
       n_run = every - phase                      # steps to the end of the segment
-      j = zero
-      for kv_, nd, is_last in variants:
-        end = n_run if is_last else n_run - last.astype(jnp.int32)
-        j, i, st = steps(j, i, st, kv_, nd,
-                         lambda j, kv_=kv_, end=end: ~stop & (k == kv_) & (j < end),
-                         want_conf=is_last)
+      j, i, st = steps(zero, i, st, 0, 0, lambda j: probe & (j < n_run - 1), want_conf=False)
+      j, i, st = steps(j, i, st, 0, 1, lambda j: probe & (j < n_run), want_conf=True)
       ended = (phase + j) // every               # segments completed
-      gap = jnp.where(k > 0, after_drafting,
-                      jnp.minimum(2 * st.probe_gap, self.cfg.probe_every_max))
-      return i, jnp.where(stop, k, -1), st.replace(
+      gap = jnp.minimum(2 * st.probe_gap, self.cfg.probe_every_max)
+      return i, jnp.where(probe, -1, k), st.replace(
           probe_gap=jnp.where(ended > 0, gap, st.probe_gap),
-          plain_segs=jnp.where(ended > 0, 0, st.plain_segs), seg_k=jnp.where(stop, st.seg_k, k))
+          plain_segs=jnp.where(ended > 0, 0, st.plain_segs),
+          seg_k=jnp.where(probe, 0, st.seg_k))
 
-    # The segment loop's carry: (i, the k it stopped at (-1: none yet), st).
+    # The probe loop's carry: (i, the k it stopped at (-1: none yet), st).
     i, k_stop, st = jax.lax.while_loop(
-        lambda c: (c[1] < 0) & (c[0] < num_steps) & not_done(c[2]), segment,
+        lambda c: (c[1] < 0) & (c[0] < num_steps) & not_done(c[2]), probe_segment,
         (i, jnp.asarray(-1, jnp.int32), st))
     # Where it stopped at a plain run (after a probe that found nothing worth drafting), the
     # run follows in this call, up to the next probe: otherwise every probe would end its call.

@@ -307,8 +307,8 @@ def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(
 
 
 def test_segments_of_all_heads_run_in_the_calls_top_level_loop(trained_tiny):
-  """A segment of kmax drafts runs in the call's top-level loop: when the segment loop would
-  begin one, the call ends at that segment boundary and the next call runs it there."""
+  """Drafting segments run in the call's top-level loops: where the probe loop would begin
+  one, the call ends at that segment boundary and the next call runs it there."""
   _, workdir, _ = trained_tiny
   mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
   eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=1, adaptive=True, ring_size=16, adapt_every=2,

@@ -232,8 +232,9 @@ class DecodeConfig:
   confidence_threshold: float = 0.0 # cut a row's drafts at the first with head prob below this
   accept_window: int = 16           # steps of the ring the acceptance rates are read from
   adapt_every: int = 4              # adaptive: steps run with one choice of k (a segment)
-  probe_every: int = 4              # adaptive: the first probe (one head drafted at the end of
-                                    # a plain segment) after this many plain segments
+  probe_every: int = 4              # adaptive: the first probe (the end of a plain segment
+                                    # drafts one head and verifies it) after this many plain
+                                    # segments
   adapt_margin: float = 0.05        # adaptive: draft only when expected to beat plain by this
   probe_every_max: int = 64         # adaptive: the probe interval (in segments) doubles after
                                     # each probe that leads to no drafting, up to this (it

@@ -565,8 +565,8 @@ class Engine:
 
     n_draft (default Kd): drafts to make for the next step. The adaptive loop drafts only what
     the next step of the same k may verify (none in a plain segment, so that choosing k = 0
-    costs what plain decoding costs; one head at the end of a probe segment); the drafts not
-    made keep their old values with zero confidence and are not fresh. want_conf: the
+    costs what plain decoding costs; one head in the last two steps of a probe segment); the
+    drafts not made keep their old values with zero confidence and are not fresh. want_conf: the
     controller reads this step's draft confidences (see _conf_cols).
     """
     nd = self.kd if n_draft is None else n_draft
@@ -726,10 +726,14 @@ class Engine:
     # first draft's confidence (what the controller reads); where the controller raises k, the
     # first step of the larger k verifies the drafts there are (n_fresh), and the controller
     # estimates the positions past a row's fresh drafts from the rates and the prior
-    # (controller_limit). A plain segment drafts nothing, except at the last step of a probe
-    # segment, one head (so that the controller sees fresh confidences when acceptance may have
-    # recovered). Probes come every probe_gap plain segments; the gap doubles after each probe
-    # that leads to no drafting (up to probe_every_max), since a probe costs head work; after a
+    # (controller_limit). A plain segment drafts nothing, except a probe segment: its
+    # second-to-last step drafts one head, and its last step verifies that draft (a step of one
+    # draft) and drafts one head again, so that the controller sees real acceptance in the
+    # window and fresh confidences when acceptance may have recovered. (Confidences alone keep
+    # a controller that began plain there: the heads' peak probability understates how often
+    # their drafts are accepted, and nothing else would ever be verified.) Probes come every
+    # probe_gap plain segments; the gap doubles after each probe that leads to no drafting (up
+    # to probe_every_max), since a probe costs head work and a step of one draft; after a
     # drafting segment it is accept_window steps (in segments): the turn to plain decoding is
     # checked again once the rates that made it have left the window.
     #
@@ -738,8 +742,8 @@ class Engine:
     #    keeps to its k (checked by a lax.cond where a segment ends);
     # 2. plain segments up to the start of the next probe segment: with no fresh drafts the
     #    controller can only choose 0 again;
-    # 3. the probe loop: probe segments (plain steps, the last one drafting one head), while
-    #    the controller keeps to plain decoding; it stops where a drafting segment or a plain
+    # 3. the probe loop: probe segments (plain steps, the last two drafting one head, the last
+    #    one verifying a draft), while the controller keeps to plain decoding; it stops where a drafting segment or a plain
     #    run would begin;
     # 4. that plain run, as in 2.
     # The call ends where the controller raises k past the loops already run (the next call
@@ -802,8 +806,9 @@ class Engine:
       k = choose(st)
       probe = (k == 0) & (st.plain_segs + 1 >= st.probe_gap) & (st.k_force < 0)
       n_run = every - phase                      # steps to the end of the segment
-      j, i, st = steps(zero, i, st, 0, 0, lambda j: probe & (j < n_run - 1), want_conf=False)
-      j, i, st = steps(j, i, st, 0, 1, lambda j: probe & (j < n_run), want_conf=True)
+      j, i, st = steps(zero, i, st, 0, 0, lambda j: probe & (j < n_run - 2), want_conf=False)
+      j, i, st = steps(j, i, st, 0, 1, lambda j: probe & (j < n_run - 1), want_conf=False)
+      j, i, st = steps(j, i, st, 1, 1, lambda j: probe & (j < n_run), want_conf=True)
       ended = (phase + j) // every               # segments completed
       gap = jnp.minimum(2 * st.probe_gap, self.cfg.probe_every_max)
       return i, jnp.where(probe, -1, k), st.replace(

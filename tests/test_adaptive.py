@@ -270,13 +270,15 @@ def test_a_rows_own_counts_are_not_counted_twice():
 
 
 def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(trained_tiny):
-  """A plain segment drafts (one head) at its end only as a probe; while probes lead to no
-  drafting the gap between them doubles (up to probe_every_max; the count carries across
-  generate calls, here of one step each), a probe that finds nothing does not end its call,
-  and a drafting segment sets the gap to the acceptance window (in segments)."""
+  """A probe ends a plain segment: its second-to-last step drafts one head, its last step
+  verifies that draft (a step of one draft: real acceptance for the window, even where the
+  controller began plain) and drafts one head again. While probes lead to no drafting the gap
+  between them doubles (up to probe_every_max; the count carries across generate calls, here
+  of one step each), a probe that finds nothing does not end its call, and a drafting segment
+  sets the gap to the acceptance window (in segments)."""
   _, workdir, _ = trained_tiny
   mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
-  eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=1, adaptive=True, ring_size=16, adapt_every=2,
+  eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=1, adaptive=True, ring_size=16, adapt_every=3,
                                           probe_every=2, probe_every_max=4, accept_window=6),
                  tok.eod_id)
   state = eng.init_state()
@@ -284,26 +286,31 @@ def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(
                     [0], [1.0])
   state = eng.insert(pre, state, [0], [100], [0.0], [0], [1.0])
   state = state.replace(cost=jnp.asarray([1.0] + [100.0] * eng.kd))   # drafting never pays
-  probes = []
-  for step in range(28):
+  drafting, verifying = [], []
+  for step in range(42):
     state = eng.generate(params, state, 1)
     if int(state.n_fresh[0]) > 0:
-      probes.append(step)
-  assert int(state.ring.verified.max()) == 0
-  # Segments of 2 steps; probes after 2, then 4, then 4 (the cap) plain segments.
-  assert probes == [3, 11, 19, 27], probes
+      drafting.append(step)
+    if int(state.ring.k_used[step % 16]) > 0:
+      assert int(state.ring.verified[step % 16, 0]) == 1
+      verifying.append(step)
+  # Segments of 3 steps; probes after 2, then 4, then 4 (the cap) plain segments, each
+  # drafting at its last two steps and verifying at the last.
+  assert verifying == [5, 17, 29, 41], verifying
+  assert drafting == [s + d for s in verifying for d in (-1, 0)], drafting
   assert int(state.probe_gap) == 4
-  # A call through the next probe (the step to 36): plain up to it, the probe segment, then
-  # plain decoding again in the same call, to the call's 12 steps.
-  state = eng.generate(params, state, 12)
-  assert int(state.step) == 40 and int(state.ring.verified.max()) == 0
-  assert int(state.n_fresh[0]) == 0 and int(state.plain_segs) == 2
+  # A call through the next probe (steps 51-53): plain up to it, the probe segment, then plain
+  # decoding again in the same call, to the call's 15 steps.
+  state = eng.generate(params, state, 15)
+  assert int(state.step) == 57 and int(state.n_fresh[0]) == 0 and int(state.plain_segs) == 1
+  assert np.asarray(state.ring.k_used)[np.arange(42, 57) % 16].tolist() == [0] * 11 + [1] + [0] * 3
   # Drafting made to pay even at the tiny heads' low acceptance: the next segment drafts, and
-  # the gap is the acceptance window's 6 steps (3 segments): probes before that would see the
+  # the gap is the acceptance window's 6 steps (2 segments): probes before that would see the
   # same rates.
   state = state.replace(cost=jnp.asarray([1.0] + [0.9] * eng.kd))
-  state = eng.generate(params, state, 4)
-  assert int(state.ring.verified.max()) > 0 and int(state.probe_gap) == 3
+  state = eng.generate(params, state, 6)
+  assert int(np.asarray(state.ring.k_used)[np.arange(57, 63) % 16].max()) > 0
+  assert int(state.probe_gap) == 2
 
 
 def test_segments_of_all_heads_run_in_the_calls_top_level_loop(trained_tiny):
@@ -322,11 +329,12 @@ def test_segments_of_all_heads_run_in_the_calls_top_level_loop(trained_tiny):
   state = eng.generate(params, state.replace(k_force=jnp.asarray(0, jnp.int32)), 4)
   assert int(state.n_fresh[0]) == 0
   # Equal costs: the controller stays plain without fresh drafts, and drafts all heads once the
-  # probe brings one draft (the later positions' rates come from the prior). The call ends
-  # after the probe segment (2 of its 16 steps).
+  # probe (a step drafting one head, then one verifying it and drafting one again) brings a
+  # fresh draft (the later positions' rates come from the prior). The call ends after the
+  # probe segment (2 of its 16 steps).
   state = eng.generate(params, state.replace(k_force=jnp.asarray(-1, jnp.int32)), 16)
   assert int(state.step) == 6 and int(state.n_fresh[0]) == 1
-  assert np.asarray(state.ring.k_used)[4:6].tolist() == [0, 0]
+  assert np.asarray(state.ring.k_used)[4:6].tolist() == [0, 1]
   state = eng.generate(params, state, 4)
   assert int(state.step) == 10
   assert np.asarray(state.ring.k_used)[6:10].tolist() == [kd] * 4

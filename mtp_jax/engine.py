@@ -729,7 +729,8 @@ class Engine:
     # (controller_limit). A plain segment drafts nothing, except a probe segment: its
     # second-to-last step drafts one head, and its last step verifies that draft (a step of one
     # draft) and drafts one head again, so that the controller sees real acceptance in the
-    # window and fresh confidences when acceptance may have recovered. (Confidences alone keep
+    # window and fresh confidences when acceptance may have recovered (with adapt_every=1 a probe
+    # is that one step, which has nothing to verify and drafts one head). (Confidences alone keep
     # a controller that began plain there: the heads' peak probability understates how often
     # their drafts are accepted, and nothing else would ever be verified.) Probes come every
     # probe_gap plain segments; the gap doubles after each probe that leads to no drafting (up
@@ -743,8 +744,8 @@ class Engine:
     # 2. plain segments up to the start of the next probe segment: with no fresh drafts the
     #    controller can only choose 0 again;
     # 3. the probe loop: probe segments (plain steps, the last two drafting one head, the last
-    #    one verifying a draft), while the controller keeps to plain decoding; it stops where a drafting segment or a plain
-    #    run would begin;
+    #    one verifying a draft), while the controller keeps to plain decoding; it stops where a
+    #    drafting segment or a plain run would begin;
     # 4. that plain run, as in 2.
     # The call ends where the controller raises k past the loops already run (the next call
     # begins at loop 1). Why loops: a lax.switch over variants gives each branch a copy of

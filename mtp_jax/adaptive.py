@@ -12,15 +12,15 @@ with the head's own confidence in this step's first draft and the row's own wind
 row_alpha); with a confidence threshold a row's chain is cut at its first doubtful draft. k = 0 is
 plain decoding, and k > 0 is chosen only when its expected gain over plain decoding exceeds a
 margin (decode.adapt_margin): the promise is never to be slower than plain decoding, and the
-estimates are noisy.
+cost table and the estimates carry errors.
 
 Once no request waits for a slot (the host says so: DecodeState.closed), tokens per second of the
-whole batch no longer matter, only when its last row finishes: the controller then minimises
-max over active rows of remaining_i / E_i[emitted | k] * c(k) (choose_k_to_finish). Otherwise
-rows that draft well would finish early and leave their slots idle while the rows that draft
-badly, at the same cost per step, set the end of the job. There each row's rates are taken low
-by the noise a max over that many rows' estimates picks up (pessimistic): otherwise a row whose
-few trials flatter it would set the end.
+whole batch no longer matter, only when its last row finishes: the controller then minimises the
+expected max over active rows of remaining_i / E_i[emitted | k] * c(k) (choose_k_to_finish).
+Otherwise rows that draft well would finish early and leave their slots idle while the rows that
+draft badly, at the same cost per step, set the end of the job. The expectation runs over each
+row's uncertain acceptance (a few fixed draws around its estimate, spread by the trials behind
+it: row_sd), since the max over rows is set by the rows that may draft worse than they seem.
 """
 
 from __future__ import annotations
@@ -37,7 +37,14 @@ import numpy as np
 from mtp_jax import ring as ring_lib
 
 PRIOR_TRIALS = 16.0   # trials after which the windowed rate outweighs the confidences
-ROW_PRIOR_TRIALS = 16.0  # trials after which a row's own rate outweighs the shared estimate
+# Trials after which a row's own rate outweighs the shared estimate, at the first draft position
+# and at later ones: p(1 - p) / (the spread of the rows' true rates)^2. Rows differ more at later
+# positions (some text lets the third draft through, some never): on the demo model, whole runs at
+# 4, 16 and 64 slots show rows' first-position rates spread by 0.12-0.17 around ~0.78 and later
+# positions' by 0.19-0.41 around ~0.7.
+ROW_PRIOR_TRIALS = 16.0
+ROW_PRIOR_TRIALS_LATER = 4.0
+FINISH_DRAWS = 64     # draws of the rows' acceptance over which choose_k_to_finish takes its mean
 
 
 def row_window(ring: ring_lib.Ring, step, window: int, k_max: int):
@@ -99,26 +106,26 @@ def row_alpha(rate_K, trials_K, conf_BK, cut_B, row_hits_BK=None, row_trials_BK=
     prior = a
   alpha = jnp.stack(cols, 1)
   if row_hits_BK is not None:
-    t = ROW_PRIOR_TRIALS
+    t, tl = ROW_PRIOR_TRIALS, ROW_PRIOR_TRIALS_LATER
     first = (row_hits_BK[:, :1] + t * alpha[:, :1]) / (row_trials_BK[:, :1] + t)
     prior = jnp.clip(alpha[:, 1:] * first / jnp.maximum(alpha[:, :1], 1e-6), 0.0, 1.0)
     alpha = jnp.concatenate(
-        [first, (row_hits_BK[:, 1:] + t * prior) / (row_trials_BK[:, 1:] + t)], axis=1)
+        [first, (row_hits_BK[:, 1:] + tl * prior) / (row_trials_BK[:, 1:] + tl)], axis=1)
   pos = jnp.arange(conf_BK.shape[1])[None]
   return jnp.where(pos < cut_B[:, None], jnp.clip(alpha, 0.0, 1.0), 0.0)
 
 
-def pessimistic(alpha_BK, row_trials_BK, active_B, z=None):
-  """Each row's acceptance estimate lowered by z standard deviations of it, by the trials
-  behind it (the row's own, plus ROW_PRIOR_TRIALS of shared estimate). For the end of a job:
-  its finish time is a max over the active rows, and noise in n rows' estimates biases that max
-  by about sqrt(2 ln n) standard deviations (the expected maximum of n standard normals), the
-  default z: a row that drafts worse than its few trials show sets the end. One row: none."""
-  n_act = jnp.maximum(jnp.sum(active_B.astype(jnp.float32)), 1.0)
-  z = jnp.sqrt(2.0 * jnp.log(n_act)) if z is None else z
-  n = row_trials_BK + ROW_PRIOR_TRIALS
-  a = alpha_BK - z * jnp.sqrt(alpha_BK * (1.0 - alpha_BK) / (n + 1.0))
-  return jnp.clip(a, 0.0, 1.0)
+def row_prior_trials(k_max: int):
+  """-> [K]: ROW_PRIOR_TRIALS at the first position, ROW_PRIOR_TRIALS_LATER at the others."""
+  return jnp.asarray([ROW_PRIOR_TRIALS] + [ROW_PRIOR_TRIALS_LATER] * (k_max - 1), jnp.float32)
+
+
+def row_sd(alpha_BK, row_trials_BK):
+  """-> [B, K]: the uncertainty of each row's acceptance estimate (row_alpha), a standard
+  deviation by the trials behind it: the row's own, plus the row prior's weight of shared
+  estimate. With no trials of its own, that is about how much rows' true rates spread."""
+  n = row_trials_BK + row_prior_trials(alpha_BK.shape[1])[None]
+  return jnp.sqrt(alpha_BK * (1.0 - alpha_BK) / (n + 1.0))
 
 
 def run_rates(drafted_K, accepted_K, min_trials: int = 16) -> list[float]:
@@ -134,9 +141,9 @@ def run_rates(drafted_K, accepted_K, min_trials: int = 16) -> list[float]:
 
 
 def row_expected(alpha_BK):
-  """-> [B, K+1]: per row, E[emitted tokens | k drafts], k = 0..K."""
-  run = jnp.cumprod(alpha_BK, axis=1)                                      # P(first j accepted)
-  return 1.0 + jnp.concatenate([jnp.zeros_like(run[:, :1]), jnp.cumsum(run, axis=1)], axis=1)
+  """-> [B, K+1]: per row, E[emitted tokens | k drafts], k = 0..K (leading axes: any)."""
+  run = jnp.cumprod(alpha_BK, axis=-1)                                     # P(first j accepted)
+  return 1.0 + jnp.concatenate([jnp.zeros_like(run[..., :1]), jnp.cumsum(run, axis=-1)], axis=-1)
 
 
 def expected_emitted(alpha_BK, active_B):
@@ -168,15 +175,37 @@ def viable_ks(cost_K1, margin: float = 0.0) -> tuple[int, ...]:
                       if (k + 1) * c0 > (1.0 + margin) * float(cost_K1[k]))
 
 
+def finish_draws(b: int) -> np.ndarray:
+  """-> [FINISH_DRAWS, b]: standard normal draws, one column per row, each column the
+  FINISH_DRAWS quantiles at (s + 1/2) / FINISH_DRAWS in an order of its own (a Latin hypercube:
+  every row's draws have the exact spread of a normal, and rows are independent)."""
+  from statistics import NormalDist
+  q = np.asarray([NormalDist().inv_cdf((s + 0.5) / FINISH_DRAWS) for s in range(FINISH_DRAWS)])
+  rng = np.random.default_rng(0)
+  return np.stack([q[rng.permutation(FINISH_DRAWS)] for _ in range(b)], axis=1)
+
+
 def choose_k_to_finish(cost_K1, alpha_BK, active_B, remaining_B, margin: float = 0.0,
-                       allowed_K1=None):
+                       allowed_K1=None, sd_BK=None):
   """When no request waits for a slot, throughput no longer counts, only when the last row
   finishes: the k that minimises max over active rows of remaining_i / E_i[emitted | k] * c(k).
   (A row that drafts well finishing early frees a slot nobody takes, while every step still
-  costs c(k) for all slots.) Ties go to the smaller k; k > 0 only when it is expected to finish
-  sooner than plain decoding by more than `margin` (see choose_k; allowed_K1 as there)."""
-  t = remaining_B[:, None].astype(jnp.float32) / row_expected(alpha_BK) * cost_K1[None]
-  t = jnp.max(jnp.where(active_B[:, None], t, 0.0), axis=0)
+  costs c(k) for all slots.) With sd_BK (row_sd), the mean of that max over FINISH_DRAWS draws
+  of each row's acceptance, alpha + sd * z with one standard normal z per row and draw (text
+  that is hard to draft is hard at every position): the rows that may draft worse than their
+  estimates show set the end, and more so the more rows there are and the fewer their trials.
+  The draws are fixed, so the choice is a function of the state. Ties go to the smaller k; k > 0
+  only when it is expected to finish sooner than plain decoding by more than `margin` (see
+  choose_k; allowed_K1 as there)."""
+  rem = remaining_B.astype(jnp.float32)[None, :, None]                       # [1, B, 1]
+  if sd_BK is None:
+    alpha_SBK = alpha_BK[None]
+  else:
+    z = finish_draws(alpha_BK.shape[0])[..., None]
+    alpha_SBK = jnp.clip(alpha_BK[None] + jnp.asarray(z, jnp.float32) * sd_BK[None], 0.0, 1.0)
+  e = row_expected(alpha_SBK)                                                # [S, B, K+1]
+  t = jnp.where(active_B[None, :, None], rem / e * cost_K1[None, None], 0.0)
+  t = jnp.mean(jnp.max(t, axis=1), axis=0)
   if allowed_K1 is not None:
     t = jnp.where(allowed_K1, t, jnp.inf)
   best = jnp.argmin(t)

@@ -235,7 +235,9 @@ class DecodeConfig:
   probe_every: int = 4              # adaptive: the first probe (the end of a plain segment
                                     # drafts one head and verifies it) after this many plain
                                     # segments
-  adapt_margin: float = 0.05        # adaptive: draft only when expected to beat plain by this
+  adapt_margin: float = 0.02        # adaptive: draft only when expected to beat plain by this
+                                    # (the cost table's error; the closed-batch objective
+                                    # weighs the acceptance estimates' own uncertainty)
   probe_every_max: int = 64         # adaptive: the probe interval (in segments) doubles after
                                     # each probe that leads to no drafting, up to this (it
                                     # carries across generate calls)

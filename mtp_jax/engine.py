@@ -686,8 +686,8 @@ class Engine:
     margin = self.cfg.adapt_margin
     k = jnp.where(state.closed,
                   adaptive.choose_k_to_finish(
-                      state.cost, adaptive.pessimistic(alpha, trials_b, active), active,
-                      state.stop_len - state.length, margin, allowed),
+                      state.cost, alpha, active, state.stop_len - state.length, margin, allowed,
+                      adaptive.row_sd(alpha, trials_b)),
                   adaptive.choose_k(state.cost, adaptive.expected_emitted(alpha, active), margin,
                                     allowed))
     forced = jnp.max(jnp.where(allowed & (jnp.arange(self.kd + 1) <= state.k_force),

@@ -85,26 +85,56 @@ def test_only_the_k_that_can_pay_are_kept():
     assert int(A.choose_k(c, A.expected_emitted(a, act), margin)) in ks
     rem = jnp.asarray(rng.integers(1, 100, b))
     assert int(A.choose_k_to_finish(c, a, act, rem, margin)) in ks
+    sd = A.row_sd(a, jnp.zeros_like(a))
+    assert int(A.choose_k_to_finish(c, a, act, rem, margin, sd_BK=sd)) in ks
     assert int(A.choose_k(c, A.expected_emitted(jnp.ones_like(a), act), margin)) in ks
 
 
-def test_the_end_of_a_job_is_aimed_at_with_pessimistic_rates():
+def _finish_brute_force(cost, alpha, active, rem, sd):
+  """The expected finish of the last row for each k, over choose_k_to_finish's fixed draws."""
+  z = A.finish_draws(alpha.shape[0])
+  t = np.zeros(len(cost))
+  for s in range(A.FINISH_DRAWS):
+    a = np.clip(alpha + z[s][:, None] * sd, 0, 1)
+    for k in range(len(cost)):
+      t[k] += max([0.0] + [rem[r] / (1 + sum(np.prod(a[r, :j + 1]) for j in range(k))) * cost[k]
+                           for r in range(len(rem)) if active[r]]) / A.FINISH_DRAWS
+  return t
+
+
+def test_the_end_of_a_job_weighs_the_rows_uncertain_rates():
   # One draft at 1.5x a plain step; a row accepting 60% is expected to emit 1.6 tokens a step.
-  cost, alpha = jnp.asarray([1.0, 1.5]), jnp.full((2, 1), 0.6)
-  act, rem = jnp.ones((2,), bool), jnp.asarray([40, 40])
-  assert int(A.choose_k_to_finish(cost, alpha, act, rem)) == 1
-  few, many = jnp.zeros((2, 1)), jnp.full((2, 1), 400.0)
-  low = A.pessimistic(alpha, few, act, 1.0)
-  assert np.all(np.asarray(low) < 0.5) and np.allclose(A.pessimistic(alpha, few, act, 0.0), alpha)
-  assert np.all(np.asarray(A.pessimistic(alpha, many, act, 1.0)) > 0.57)
-  # Rows known from few trials might draft worse and set the end: plain decoding.
-  assert int(A.choose_k_to_finish(cost, low, act, rem)) == 0
-  assert int(A.choose_k_to_finish(cost, A.pessimistic(alpha, many, act, 1.0), act, rem)) == 1
-  # The default z grows with the rows the max runs over: none for one row.
-  one = jnp.asarray([True, False])
-  assert np.allclose(A.pessimistic(alpha, few, one), alpha)
-  z2 = np.sqrt(2 * np.log(2))
-  assert np.allclose(A.pessimistic(alpha, few, act), A.pessimistic(alpha, few, act, z2))
+  cost = jnp.asarray([1.0, 1.5])
+  for b in (1, 16):
+    alpha, act, rem = jnp.full((b, 1), 0.6), jnp.ones((b,), bool), jnp.full((b,), 40)
+    few, many = A.row_sd(alpha, jnp.zeros((b, 1))), A.row_sd(alpha, jnp.full((b, 1), 400.0))
+    assert int(A.choose_k_to_finish(cost, alpha, act, rem)) == 1
+    assert int(A.choose_k_to_finish(cost, alpha, act, rem, sd_BK=many)) == 1
+    # Sixteen rows known from no trials of their own: some may well draft worse than 50%, and
+    # the last of them sets the end: plain decoding. One such row alone still drafts.
+    assert int(A.choose_k_to_finish(cost, alpha, act, rem, sd_BK=few)) == (0 if b > 1 else 1)
+  # Each row's draws are the normal's quantiles, in an order of their own.
+  z = A.finish_draws(3)
+  assert np.allclose(np.sort(z, 0), np.sort(z[:, :1], 0)) and abs(z.mean()) < 1e-6
+  assert abs(z[:, 0].std() - 1) < 0.05 and abs(np.corrcoef(z[:, 0], z[:, 1])[0, 1]) < 0.3
+  # The uncertainty shrinks with the row's own trials, faster past the first position.
+  sd = np.asarray(A.row_sd(jnp.full((1, 2), 0.5), jnp.asarray([[0.0, 0.0]])))
+  np.testing.assert_allclose(sd, [[np.sqrt(0.25 / (A.ROW_PRIOR_TRIALS + 1)),
+                                   np.sqrt(0.25 / (A.ROW_PRIOR_TRIALS_LATER + 1))]], rtol=1e-6)
+  # The mean over the draws of the last row's finish, against brute force.
+  rng = np.random.default_rng(2)
+  for _ in range(50):
+    b, k_max = int(rng.integers(1, 6)), int(rng.integers(1, 4))
+    alpha = rng.uniform(0, 1, (b, k_max)).astype(np.float32)
+    act = rng.uniform(size=b) < 0.8
+    rem = rng.integers(1, 50, b)
+    cost = np.cumsum(rng.uniform(0.01, 1.0, k_max + 1)).astype(np.float32)
+    sd = np.asarray(A.row_sd(jnp.asarray(alpha), jnp.asarray(rng.integers(0, 20, (b, k_max)),
+                                                               jnp.float32)))
+    t = _finish_brute_force(cost, alpha, act, rem, sd)
+    got = int(A.choose_k_to_finish(jnp.asarray(cost), jnp.asarray(alpha), jnp.asarray(act),
+                                   jnp.asarray(rem), sd_BK=jnp.asarray(sd)))
+    assert np.isclose(t[got], min(t), rtol=1e-4), (t, got)
 
 
 def test_window_rates_are_conditional_per_position():
@@ -245,15 +275,16 @@ def test_row_rates_shrink_towards_the_shared_estimate():
                       jnp.asarray([[16.0, 16.0], [0.0, 0.0]]), jnp.asarray([[16.0, 16.0],
                                                                            [16.0, 16.0]]))
   # Row 0 accepted all of its 16 trials, row 1 none: at the first position halfway from the
-  # shared 0.5 each way; the second position's prior is scaled by that (x1.5, x0.5), and the
-  # row's own 16 trials move it halfway again.
-  np.testing.assert_allclose(np.asarray(alpha), [[0.75, 0.875], [0.25, 0.125]], atol=1e-6)
+  # shared 0.5 each way; the second position's prior is scaled by that (x1.5, x0.5), and there
+  # the row's own 16 trials outweigh it 16 to 4 (rows differ more at later positions).
+  np.testing.assert_allclose(np.asarray(alpha), [[0.75, (16 + 4 * 0.75) / 20],
+                                                 [0.25, 4 * 0.25 / 20]], atol=1e-6)
 
 
 def test_a_rows_own_counts_are_not_counted_twice():
   """The shared estimate a row is weighed against pools the other rows only: at one slot it is
   the prior, and the row's 8 trials (4 hits) move the estimate once, by 8 / (8 + 16)."""
-  assert A.ROW_PRIOR_TRIALS == 16
+  assert A.ROW_PRIOR_TRIALS == 16 and A.ROW_PRIOR_TRIALS_LATER == 4
   hits, trials = jnp.asarray([[4.0, 2.0]]), jnp.asarray([[8.0, 4.0]])
   rate, n = A.other_rows_rates(hits, trials)
   assert np.asarray(n).sum() == 0
@@ -261,7 +292,7 @@ def test_a_rows_own_counts_are_not_counted_twice():
   alpha = A.row_alpha(rate, n, jnp.full((1, 2), 0.1), jnp.array([2]), hits, trials, prior)
   first = (4 + 16 * 0.9) / 24
   # The second position's prior, 0.9, scaled by first / 0.9 (the row against the shared estimate).
-  np.testing.assert_allclose(np.asarray(alpha), [[first, (2 + 16 * first) / 20]], atol=1e-6)
+  np.testing.assert_allclose(np.asarray(alpha), [[first, (2 + 4 * first) / 8]], atol=1e-6)
   # Two rows: each one's shared estimate is the other's rate (blended with the prior by trials).
   hits, trials = jnp.asarray([[8.0], [0.0]]), jnp.asarray([[16.0], [16.0]])
   rate, n = A.other_rows_rates(hits, trials)

@@ -19,8 +19,9 @@ whole batch no longer matter, only when its last row finishes: the controller th
 expected max over active rows of remaining_i / E_i[emitted | k] * c(k) (choose_k_to_finish).
 Otherwise rows that draft well would finish early and leave their slots idle while the rows that
 draft badly, at the same cost per step, set the end of the job. The expectation runs over each
-row's uncertain acceptance (a few fixed draws around its estimate, spread by the trials behind
-it: row_sd), since the max over rows is set by the rows that may draft worse than they seem.
+row's uncertain acceptance (FINISH_DRAWS fixed draws around its estimate, spread by the trials
+behind it: row_sd), since the max over rows is set by the rows that may draft worse than they
+seem.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import hashlib
 import json
 import os
 import time
+from statistics import NormalDist
 
 import jax
 import jax.numpy as jnp
@@ -106,11 +108,12 @@ def row_alpha(rate_K, trials_K, conf_BK, cut_B, row_hits_BK=None, row_trials_BK=
     prior = a
   alpha = jnp.stack(cols, 1)
   if row_hits_BK is not None:
-    t, tl = ROW_PRIOR_TRIALS, ROW_PRIOR_TRIALS_LATER
-    first = (row_hits_BK[:, :1] + t * alpha[:, :1]) / (row_trials_BK[:, :1] + t)
-    prior = jnp.clip(alpha[:, 1:] * first / jnp.maximum(alpha[:, :1], 1e-6), 0.0, 1.0)
-    alpha = jnp.concatenate(
-        [first, (row_hits_BK[:, 1:] + tl * prior) / (row_trials_BK[:, 1:] + tl)], axis=1)
+    t = row_prior_trials(alpha.shape[1])[None]
+    first = (row_hits_BK[:, :1] + t[:, :1] * alpha[:, :1]) / (row_trials_BK[:, :1] + t[:, :1])
+    prior = jnp.concatenate(
+        [alpha[:, :1],
+         jnp.clip(alpha[:, 1:] * first / jnp.maximum(alpha[:, :1], 1e-6), 0.0, 1.0)], axis=1)
+    alpha = (row_hits_BK + t * prior) / (row_trials_BK + t)
   pos = jnp.arange(conf_BK.shape[1])[None]
   return jnp.where(pos < cut_B[:, None], jnp.clip(alpha, 0.0, 1.0), 0.0)
 
@@ -179,7 +182,6 @@ def finish_draws(b: int) -> np.ndarray:
   """-> [FINISH_DRAWS, b]: standard normal draws, one column per row, each column the
   FINISH_DRAWS quantiles at (s + 1/2) / FINISH_DRAWS in an order of its own (a Latin hypercube:
   every row's draws have the exact spread of a normal, and rows are independent)."""
-  from statistics import NormalDist
   q = np.asarray([NormalDist().inv_cdf((s + 0.5) / FINISH_DRAWS) for s in range(FINISH_DRAWS)])
   rng = np.random.default_rng(0)
   return np.stack([q[rng.permutation(FINISH_DRAWS)] for _ in range(b)], axis=1)

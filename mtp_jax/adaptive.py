@@ -46,6 +46,10 @@ PRIOR_TRIALS = 16.0   # trials after which the windowed rate outweighs the confi
 # positions' by 0.19-0.41 around ~0.7.
 ROW_PRIOR_TRIALS = 16.0
 ROW_PRIOR_TRIALS_LATER = 4.0
+# A row's own acceptance counts (DecodeState.row_hits / row_trials) decay by 1 - 1/this per step:
+# they remember its positions past the first over the few drafting segments the controller tries
+# there, and still follow a change of text.
+ROW_MEMORY_STEPS = 64.0
 FINISH_DRAWS = 64     # draws of the rows' acceptance over which choose_k_to_finish takes its mean
 
 
@@ -265,14 +269,14 @@ def load_table(path: str, key: str):
   return None if entry is None else [float(x) for x in entry["cost_s"]]
 
 
-def save_table(path: str, key: str, cost: list[float]):
+def save_table(path: str, key: str, cost: list[float], **info):
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   try:
     with open(path) as f:
       tables = json.load(f)
   except (OSError, json.JSONDecodeError):
     tables = {}
-  tables[key] = {"cost_s": cost, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+  tables[key] = {"cost_s": cost, "measured": time.strftime("%Y-%m-%dT%H:%M:%S"), **info}
   tmp = path + ".tmp"
   with open(tmp, "w") as f:
     json.dump(tables, f, indent=2)
@@ -292,27 +296,49 @@ def monotone(cost: list[float]) -> list[float]:
   return [m for m, n in blocks for _ in range(n)]
 
 
-def measure_costs(engine, params, repeats: int = 5, steps: int = 32) -> list[float]:
+def measure_costs(engine, params, rel_err: float = 0.02, budget_s: float = 60.0,
+                  min_rounds: int = 10, max_rounds: int = 400, steps: int = 32):
   """Seconds per step with k = 0..K_max drafts, every slot active: warm, `steps` steps per
-  run, every k once per round. The controller only weighs costs against each other, so c(k) is
-  the median over rounds of c(k) / c(0) within the round (a slow spell of a shared machine
-  slows a whole round alike) times the median c(0); made non-decreasing in k (see monotone)."""
-  b = engine.cfg.batch_size
+  run, every k once per round (in alternating order). The controller only weighs costs against
+  each other, so c(k) is the median over rounds of c(k) / c(0) within the round (a slow spell
+  of a shared machine slows a whole round alike) times the median c(0); made non-decreasing in
+  k (see monotone). One run's time on a shared machine is off by several percent, and a table
+  off by 8% in c(3) / c(1) turns the controller to the wrong k: rounds go on until the
+  standard error of every ratio is below rel_err, or budget_s has passed (after min_rounds).
+  -> (cost [K+1], {"rounds", "rel_se": the largest standard error of a ratio})."""
+  b, k1 = engine.cfg.batch_size, engine.kd + 1
+  steps = min(steps, engine.cfg.ring_size)
   rng = np.random.default_rng(0)
-  times = [[] for _ in range(engine.kd + 1)]
-  for rep in range(repeats + 1):                     # the first round compiles / warms up
-    for k in range(engine.kd + 1):
-      state = engine.init_state()
-      prompts = [list(rng.integers(0, engine.model_cfg.vocab_size, 8)) for _ in range(b)]
-      prefix = engine.prefill(params, prompts, jax.random.key(rep), [0.0] * b, [0] * b, [1.0] * b)
-      state = engine.insert(prefix, state, list(range(b)), engine.cfg.max_len, 0.0, 0, 1.0)
-      state = state.replace(k_force=jnp.asarray(k, jnp.int32))
-      jax.block_until_ready(state)
-      t0 = time.perf_counter()
-      state = engine.generate(params, state, min(steps, engine.cfg.ring_size), sample=False)
-      ran = int(state.step)
-      dt = time.perf_counter() - t0
-      if rep:
-        times[k].append(dt / max(ran, 1))
-  t = np.asarray(times)                                          # [K+1, repeats]
-  return monotone([float(np.median(t[0]) * np.median(t[k] / t[0])) for k in range(len(t))])
+  prompts = [list(rng.integers(0, engine.model_cfg.vocab_size, 8)) for _ in range(b)]
+  prefix = engine.prefill(params, prompts, jax.random.key(0), [0.0] * b, [0] * b, [1.0] * b)
+
+  def one(k):
+    state = engine.insert(prefix, engine.init_state(), list(range(b)), engine.cfg.max_len,
+                          0.0, 0, 1.0)
+    state = state.replace(k_force=jnp.asarray(k, jnp.int32))
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    state = engine.generate(params, state, steps, sample=False)
+    ran = int(state.step)
+    return (time.perf_counter() - t0) / max(ran, 1)
+
+  for k in range(k1):                                # compiles / warms up
+    one(k)
+  rows, se, start = [], float("inf"), time.perf_counter()
+  while len(rows) < max_rounds:
+    order = range(k1) if len(rows) % 2 == 0 else range(k1 - 1, -1, -1)
+    row = [0.0] * k1
+    for k in order:
+      row[k] = one(k)
+    rows.append(row)
+    n = len(rows)
+    if n >= min_rounds and k1 > 1:
+      lr = np.log(np.asarray(rows)[:, 1:] / np.asarray(rows)[:, :1])
+      se = float(np.max(1.2533 * lr.std(axis=0, ddof=1) / np.sqrt(n)))   # of a median
+      if se < rel_err or time.perf_counter() - start > budget_s:
+        break
+    elif n >= min_rounds:
+      break
+  t = np.asarray(rows).T                                         # [K+1, rounds]
+  cost = monotone([float(np.median(t[0]) * np.median(t[k] / t[0])) for k in range(k1)])
+  return cost, {"rounds": len(rows), "rel_se": round(se, 4) if k1 > 1 else 0.0}

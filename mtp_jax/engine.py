@@ -59,6 +59,9 @@ class DecodeState:
   row_emitted: jax.Array   # [B] tokens emitted by decode steps
   drafted: jax.Array       # [Kd] drafts verified, per draft position
   accepted: jax.Array      # [Kd] drafts accepted, per draft position
+  row_hits: jax.Array      # [B, Kd] f32: the row's drafts accepted per position, since its
+                           # insert, decaying over adaptive.ROW_MEMORY_STEPS steps
+  row_trials: jax.Array    # [B, Kd] f32: the same for the drafts verified (reached) there
   cost: jax.Array          # [Kd+1] seconds per step with k drafts (adaptive k)
   k_force: jax.Array       # [] -1: the controller chooses k; else this k (calibration)
   closed: jax.Array        # [] bool: no request waits for a slot (the controller then aims at
@@ -173,6 +176,7 @@ class Engine:
         ring=ring_lib.init_ring(self.cfg.ring_size, b, kd), step=jnp.zeros((), jnp.int32),
         row_steps=jnp.zeros((b,), jnp.int32), row_emitted=jnp.zeros((b,), jnp.int32),
         drafted=jnp.zeros((kd,), jnp.int32), accepted=jnp.zeros((kd,), jnp.int32),
+        row_hits=jnp.zeros((b, kd), jnp.float32), row_trials=jnp.zeros((b, kd), jnp.float32),
         cost=jnp.asarray(self.cost if cost is None else cost, jnp.float32),
         k_force=jnp.asarray(-1, jnp.int32),
         closed=jnp.asarray(False), probe_gap=jnp.asarray(self.cfg.probe_every, jnp.int32),
@@ -198,8 +202,8 @@ class Engine:
     cost = None if force else adaptive.load_table(path, key)
     if cost is None or len(cost) != self.kd + 1:
       self.cost = [1.0] * (self.kd + 1)        # every k compiled, for the measurement
-      cost = adaptive.measure_costs(self, params)
-      adaptive.save_table(path, key, cost)
+      cost, info = adaptive.measure_costs(self, params)
+      adaptive.save_table(path, key, cost, **info)
     self.cost = cost
     return cost
 
@@ -539,7 +543,8 @@ class Engine:
         temperature=state.temperature.at[slots].set(temperature),
         top_k=state.top_k.at[slots].set(top_k), top_p=state.top_p.at[slots].set(top_p),
         penalty=state.penalty.at[slots].set(penalty), row_steps=state.row_steps.at[slots].set(z),
-        row_emitted=state.row_emitted.at[slots].set(z))
+        row_emitted=state.row_emitted.at[slots].set(z),
+        row_hits=state.row_hits.at[slots].set(0.0), row_trials=state.row_trials.at[slots].set(0.0))
 
   def insert(self, prefix: Prefix, state: DecodeState, slots, max_new, temperature, top_k,
              top_p, penalty=1.0) -> DecodeState:
@@ -642,6 +647,11 @@ class Engine:
     drafted = state.drafted + jnp.sum((pos_k < verified[:, None]).astype(jnp.int32), 0)
     accepted = state.accepted + jnp.sum(
         (active[:, None] & (n[:, None] > pos_k)).astype(jnp.int32), 0)
+    # Per row and position: reached (verified there, every draft before it accepted), accepted.
+    reached = (pos_k < verified[:, None]) & (n[:, None] >= pos_k)
+    decay = 1.0 - 1.0 / adaptive.ROW_MEMORY_STEPS
+    row_hits = state.row_hits * decay + (reached & (n[:, None] > pos_k)).astype(jnp.float32)
+    row_trials = state.row_trials * decay + reached.astype(jnp.float32)
     ring = ring_lib.record(state.ring, state.step, out, n_emit, verified, jnp.where(active, n, 0),
                            k, n_active)
     return state.replace(
@@ -651,7 +661,7 @@ class Engine:
         step=state.step + 1,
         row_steps=state.row_steps + active.astype(jnp.int32),
         row_emitted=state.row_emitted + n_emit, drafted=drafted,
-        accepted=accepted)
+        accepted=accepted, row_hits=row_hits, row_trials=row_trials)
 
   def row_limit(self, state: DecodeState):
     """Per row, the drafts it may verify: its fresh drafts, cut before the first one whose
@@ -679,15 +689,21 @@ class Engine:
     hits_b, trials_b = adaptive.row_window(state.ring, state.step, self.cfg.accept_window,
                                            self.kd)
     rate, trials = adaptive.other_rows_rates(hits_b, trials_b)
+    # A row's own counts: the window's at the first position, which every drafting step tries;
+    # past it, the longer memory (row_hits / row_trials), since those positions get trials only
+    # while the controller drafts that far: forgetting them after accept_window steps sent it
+    # back to drafting that far every few segments, at the cost of a wasted segment each time.
+    own_hits = jnp.concatenate([hits_b[:, :1], state.row_hits[:, 1:]], 1)
+    own_trials = jnp.concatenate([trials_b[:, :1], state.row_trials[:, 1:]], 1)
     # A row without a fresh draft is expected to accept nothing (controller_limit).
     alpha = adaptive.row_alpha(rate, trials, state.draft_conf, self.controller_limit(state),
-                               hits_b, trials_b, state.prior_rate)
+                               own_hits, own_trials, state.prior_rate)
     active = ~state.done
     margin = self.cfg.adapt_margin
     k = jnp.where(state.closed,
                   adaptive.choose_k_to_finish(
                       state.cost, alpha, active, state.stop_len - state.length, margin, allowed,
-                      adaptive.row_sd(alpha, trials_b)),
+                      adaptive.row_sd(alpha, own_trials)),
                   adaptive.choose_k(state.cost, adaptive.expected_emitted(alpha, active), margin,
                                     allowed))
     forced = jnp.max(jnp.where(allowed & (jnp.arange(self.kd + 1) <= state.k_force),

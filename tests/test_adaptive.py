@@ -438,3 +438,54 @@ def test_rates_of_a_run_become_the_next_runs_prior():
   np.testing.assert_allclose(np.asarray(alpha), [[0.9, 0.8, 0.8]] * 2, atol=1e-6)
   alpha = A.row_alpha(jnp.zeros((3,)), no_trials, conf, jnp.array([3, 3]))
   np.testing.assert_allclose(np.asarray(alpha), np.full((2, 3), 0.3), atol=1e-6)
+
+
+def test_rows_own_counts_remember_past_the_window(trained_tiny):
+  """Per row and draft position, the decayed counts of drafts reached and accepted since the
+  row's insert (what the controller weighs a row's later positions by) follow the ring's record
+  of every step, across calls longer than the window; an insert starts a row's counts afresh."""
+  _, workdir, _ = trained_tiny
+  mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
+  eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=2, max_len=96, adaptive=True, ring_size=8,
+                                          accept_window=4), tok.eod_id)
+  kd, b = eng.kd, 2
+  prompts = [tok.encode("def f(x):\n    return x"), tok.encode("import os\n")]
+  prefix = eng.prefill(params, prompts, jax.random.key(0), [0.0] * b, [0] * b, [1.0] * b)
+  state = eng.insert(prefix, eng.init_state(), [0, 1], 60, 0.0, 0, 1.0)
+  hits, trials = np.zeros((b, kd)), np.zeros((b, kd))
+  decay = 1.0 - 1.0 / A.ROW_MEMORY_STEPS
+  pos = np.arange(kd)
+  for k in (kd, 1, kd, kd):
+    s0 = int(state.step)
+    state = eng.generate(params, state.replace(k_force=jnp.asarray(k, jnp.int32)), 8,
+                         sample=False)
+    ring = state.ring
+    for s in range(s0, int(state.step)):
+      v, a = np.asarray(ring.verified[s % 8]), np.asarray(ring.accepted[s % 8])
+      reached = (pos[None] < v[:, None]) & (a[:, None] >= pos[None])
+      hits = hits * decay + (reached & (a[:, None] > pos[None]))
+      trials = trials * decay + reached
+  assert trials[:, 1:].sum() > 0 and hits[:, 1:].sum() > 0
+  np.testing.assert_allclose(np.asarray(state.row_trials), trials, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(state.row_hits), hits, rtol=1e-5)
+  state = eng.insert(eng.prefill(params, prompts[:1], jax.random.key(1), [0.0], [0], [1.0]),
+                     state, [1], 60, 0.0, 0, 1.0)
+  np.testing.assert_allclose(np.asarray(state.row_trials)[1], 0.0)
+  np.testing.assert_allclose(np.asarray(state.row_trials)[0], trials[0], rtol=1e-5)
+
+
+def test_cost_table_is_measured_to_the_asked_precision(trained_tiny):
+  """Rounds of every k go on until each cost ratio's standard error is below rel_err, or the
+  time budget is spent (after min_rounds); the table is non-decreasing in k."""
+  _, workdir, _ = trained_tiny
+  mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
+  eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=2, max_len=64, adaptive=True, ring_size=8),
+                 tok.eod_id)
+  cost, info = A.measure_costs(eng, params, rel_err=10.0, min_rounds=3)     # met at once
+  assert info["rounds"] == 3 and len(cost) == eng.kd + 1
+  assert all(c > 0 for c in cost) and np.all(np.diff(cost) >= 0)
+  cost, info = A.measure_costs(eng, params, rel_err=0.0, budget_s=0.0, min_rounds=4)
+  assert info["rounds"] == 4 and info["rel_se"] > 0            # never met: the budget ends it
+  cost, info = A.measure_costs(eng, params, rel_err=0.0, budget_s=1e9, min_rounds=2,
+                               max_rounds=6)
+  assert info["rounds"] == 6

@@ -6,7 +6,8 @@ Modes: 'vanilla' (plain decoding, k = 0), 'mtp:K' (K drafts from the MTP heads p
 and 'ngram:K' (prompt lookup: K drafts copied from the row's own history). All go through the
 same verification, so greedy outputs are identical. Every (batch size, mode) pair gets its own
 compiled engine (compile time reported apart), warmed up before timing; timed runs of all modes
-are interleaved repeat by repeat, so that a noisy machine slows all of them alike. A row is the
+are interleaved repeat by repeat, so that a noisy machine slows all of them alike, in reversed
+order every other repeat, so that no mode always runs first or right after another. A row is the
 mode's repeat of median throughput; its speedup is the median over repeats of the throughput ratio
 to the vanilla run of the same repeat (interquartile range in brackets in the table).
 
@@ -313,8 +314,8 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
         dec.run(reqs[:b])                                 # host-side helpers warmed too
       decoders[mode] = dec
     runs = {m: [] for m in modes}
-    for _ in range(repeats):
-      for mode in modes:
+    for rep in range(repeats):
+      for mode in (modes if rep % 2 == 0 else modes[::-1]):
         dec = decoders[mode]
         t0 = time.perf_counter()
         outs = dec.run(reqs)

@@ -60,7 +60,8 @@ class DecodeState:
   drafted: jax.Array       # [Kd] drafts verified, per draft position
   accepted: jax.Array      # [Kd] drafts accepted, per draft position
   row_hits: jax.Array      # [B, Kd] f32: the row's drafts accepted per position, since its
-                           # insert, decaying over adaptive.ROW_MEMORY_STEPS steps
+                           # insert, decaying over adaptive.ROW_MEMORY_STEPS steps (adaptive
+                           # engines only; zeros otherwise)
   row_trials: jax.Array    # [B, Kd] f32: the same for the drafts verified (reached) there
   cost: jax.Array          # [Kd+1] seconds per step with k drafts (adaptive k)
   k_force: jax.Array       # [] -1: the controller chooses k; else this k (calibration)
@@ -648,10 +649,13 @@ class Engine:
     accepted = state.accepted + jnp.sum(
         (active[:, None] & (n[:, None] > pos_k)).astype(jnp.int32), 0)
     # Per row and position: reached (verified there, every draft before it accepted), accepted.
-    reached = (pos_k < verified[:, None]) & (n[:, None] >= pos_k)
-    decay = 1.0 - 1.0 / adaptive.ROW_MEMORY_STEPS
-    row_hits = state.row_hits * decay + (reached & (n[:, None] > pos_k)).astype(jnp.float32)
-    row_trials = state.row_trials * decay + reached.astype(jnp.float32)
+    # Only the controller reads them: a fixed-k engine carries them unchanged.
+    row_hits, row_trials = state.row_hits, state.row_trials
+    if self.cfg.adaptive:
+      reached = (pos_k < verified[:, None]) & (n[:, None] >= pos_k)
+      decay = 1.0 - 1.0 / adaptive.ROW_MEMORY_STEPS
+      row_hits = row_hits * decay + (reached & (n[:, None] > pos_k)).astype(jnp.float32)
+      row_trials = row_trials * decay + reached.astype(jnp.float32)
     ring = ring_lib.record(state.ring, state.step, out, n_emit, verified, jnp.where(active, n, 0),
                            k, n_active)
     return state.replace(

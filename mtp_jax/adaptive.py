@@ -53,12 +53,15 @@ ROW_MEMORY_STEPS = 64.0
 FINISH_DRAWS = 64     # draws of the rows' acceptance over which choose_k_to_finish takes its mean
 
 
-def row_window(ring: ring_lib.Ring, step, window: int, k_max: int):
+def row_window(ring: ring_lib.Ring, step, window: int, k_max: int, warmup: int = 0):
   """Per row and draft position i, over the last `window` steps: how often the row reached
-  position i (trials) and how often it was accepted there (hits). -> (hits, trials) [B, K]."""
+  position i (trials) and how often it was accepted there (hits). -> (hits, trials) [B, K].
+  A row's first `warmup` steps after its insert are left out (DecodeConfig.adapt_warmup)."""
   r = ring.capacity
   age = (step - 1 - jnp.arange(r)) % r              # 0 = the newest record
   valid = (age < jnp.minimum(window, step))[:, None]                       # [R, 1]
+  if warmup:
+    valid = valid & (ring.row_step >= warmup)                              # [R, B]
   pos = jnp.arange(k_max)[None, None]                                      # [1, 1, K]
   verified, accepted = ring.verified[..., None], ring.accepted[..., None]  # [R, B, 1]
   trials = valid[..., None] & (verified > pos) & (accepted >= pos)
@@ -66,10 +69,10 @@ def row_window(ring: ring_lib.Ring, step, window: int, k_max: int):
   return jnp.sum(hits, 0).astype(jnp.float32), jnp.sum(trials, 0).astype(jnp.float32)
 
 
-def window_rates(ring: ring_lib.Ring, step, window: int, k_max: int):
+def window_rates(ring: ring_lib.Ring, step, window: int, k_max: int, warmup: int = 0):
   """Per draft position i: the conditional acceptance rate P(accept i | reached i) over the last
   `window` steps, and the number of trials. -> (rate [K], trials [K])."""
-  return pooled_rates(*row_window(ring, step, window, k_max))
+  return pooled_rates(*row_window(ring, step, window, k_max, warmup))
 
 
 def pooled_rates(hits_BK, trials_BK):

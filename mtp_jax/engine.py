@@ -651,13 +651,14 @@ class Engine:
     # Per row and position: reached (verified there, every draft before it accepted), accepted.
     # Only the controller reads them: a fixed-k engine carries them unchanged.
     row_hits, row_trials = state.row_hits, state.row_trials
-    if self.cfg.adaptive:
-      reached = (pos_k < verified[:, None]) & (n[:, None] >= pos_k)
+    if self.cfg.adaptive:   # a row's warm-up steps are not counted (adaptive.row_window)
+      counted = (state.row_steps >= self.cfg.adapt_warmup)[:, None]
+      reached = (pos_k < verified[:, None]) & (n[:, None] >= pos_k) & counted
       decay = 1.0 - 1.0 / adaptive.ROW_MEMORY_STEPS
       row_hits = row_hits * decay + (reached & (n[:, None] > pos_k)).astype(jnp.float32)
       row_trials = row_trials * decay + reached.astype(jnp.float32)
     ring = ring_lib.record(state.ring, state.step, out, n_emit, verified, jnp.where(active, n, 0),
-                           k, n_active)
+                           k, n_active, state.row_steps)
     return state.replace(
         tokens=tokens, length=new_length, done=done, drafts=new_drafts, draft_logq=logq,
         draft_conf=conf, n_fresh=jnp.full_like(state.n_fresh, made), cache=cache,
@@ -691,7 +692,7 @@ class Engine:
     ks = self.ks if ks is None else ks
     allowed = jnp.isin(jnp.arange(self.kd + 1), jnp.asarray(ks))
     hits_b, trials_b = adaptive.row_window(state.ring, state.step, self.cfg.accept_window,
-                                           self.kd)
+                                           self.kd, self.cfg.adapt_warmup)
     rate, trials = adaptive.other_rows_rates(hits_b, trials_b)
     # A row's own counts: the window's at the first position, which every drafting step tries;
     # past it, the longer memory (row_hits / row_trials), since those positions get trials only

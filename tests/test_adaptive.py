@@ -141,10 +141,10 @@ def test_window_rates_are_conditional_per_position():
   ring = ring_lib.init_ring(4, 2, 3)
   # Step 0: row 0 verified 3, accepted 1; row 1 verified 3, accepted 3.
   ring = ring_lib.record(ring, 0, jnp.zeros((2, 4), jnp.int32), jnp.array([2, 4]),
-                         jnp.array([3, 3]), jnp.array([1, 3]), 3, 2)
+                         jnp.array([3, 3]), jnp.array([1, 3]), 3, 2, jnp.array([0, 0]))
   # Step 1: row 0 inactive; row 1 verified 2, accepted 0.
   ring = ring_lib.record(ring, 1, jnp.zeros((2, 4), jnp.int32), jnp.array([0, 1]),
-                         jnp.array([0, 2]), jnp.array([0, 0]), 2, 1)
+                         jnp.array([0, 2]), jnp.array([0, 0]), 2, 1, jnp.array([1, 1]))
   rate, trials = A.window_rates(ring, jnp.asarray(2), 16, 3)
   # position 0: trials 3 (r0s0, r1s0, r1s1), hits 2; position 1: reached by r0s0 (acc>=1) and r1s0
   # -> trials 2, hits 1 (r1s0); position 2: reached by r1s0 only -> 1 trial, 1 hit.
@@ -152,6 +152,25 @@ def test_window_rates_are_conditional_per_position():
   np.testing.assert_allclose(np.asarray(rate), [2 / 3, 1 / 2, 1.0])
   rate, trials = A.window_rates(ring, jnp.asarray(2), 1, 3)       # only the newest step
   np.testing.assert_allclose(np.asarray(trials), [1, 0, 0])
+
+
+def test_a_rows_warm_up_steps_are_left_out_of_the_window():
+  """Drafts are accepted less right after a prompt: the records of a row's first `warmup` steps
+  since its insert (Ring.row_step) do not count."""
+  ring = ring_lib.init_ring(4, 2, 1)
+  z = jnp.zeros((2, 2), jnp.int32)
+  # Row 0 was inserted at step 0, row 1 at step 1 (its record of step 0 is its predecessor's).
+  ring = ring_lib.record(ring, 0, z, jnp.array([1, 2]), jnp.array([1, 1]), jnp.array([0, 1]), 1,
+                         2, jnp.array([0, 30]))
+  ring = ring_lib.record(ring, 1, z, jnp.array([2, 1]), jnp.array([1, 1]), jnp.array([1, 0]), 1,
+                         2, jnp.array([1, 0]))
+  ring = ring_lib.record(ring, 2, z, jnp.array([2, 2]), jnp.array([1, 1]), jnp.array([1, 1]), 1,
+                         2, jnp.array([2, 1]))
+  for warmup, hits, trials in [(0, [[2], [2]], [[3], [3]]), (1, [[2], [2]], [[2], [2]]),
+                               (2, [[1], [1]], [[1], [1]]), (3, [[0], [1]], [[0], [1]])]:
+    h, t = A.row_window(ring, jnp.asarray(3), 16, 1, warmup)
+    np.testing.assert_allclose(np.asarray(h), hits, err_msg=f"warmup={warmup}")
+    np.testing.assert_allclose(np.asarray(t), trials, err_msg=f"warmup={warmup}")
 
 
 def test_cost_table_round_trip(tmp_path):
@@ -443,11 +462,13 @@ def test_rates_of_a_run_become_the_next_runs_prior():
 def test_rows_own_counts_remember_past_the_window(trained_tiny):
   """Per row and draft position, the decayed counts of drafts reached and accepted since the
   row's insert (what the controller weighs a row's later positions by) follow the ring's record
-  of every step, across calls longer than the window; an insert starts a row's counts afresh."""
+  of every step past the row's warm-up, across calls longer than the window; an insert starts
+  a row's counts afresh."""
   _, workdir, _ = trained_tiny
   mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
+  warmup = 3
   eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=2, max_len=96, adaptive=True, ring_size=8,
-                                          accept_window=4), tok.eod_id)
+                                          accept_window=4, adapt_warmup=warmup), tok.eod_id)
   kd, b = eng.kd, 2
   prompts = [tok.encode("def f(x):\n    return x"), tok.encode("import os\n")]
   prefix = eng.prefill(params, prompts, jax.random.key(0), [0.0] * b, [0] * b, [1.0] * b)
@@ -455,6 +476,7 @@ def test_rows_own_counts_remember_past_the_window(trained_tiny):
   hits, trials = np.zeros((b, kd)), np.zeros((b, kd))
   decay = 1.0 - 1.0 / A.ROW_MEMORY_STEPS
   pos = np.arange(kd)
+  age = np.zeros(b, int)                    # each row's steps since its insert
   for k in (kd, 1, kd, kd):
     s0 = int(state.step)
     state = eng.generate(params, state.replace(k_force=jnp.asarray(k, jnp.int32)), 8,
@@ -462,7 +484,9 @@ def test_rows_own_counts_remember_past_the_window(trained_tiny):
     ring = state.ring
     for s in range(s0, int(state.step)):
       v, a = np.asarray(ring.verified[s % 8]), np.asarray(ring.accepted[s % 8])
-      reached = (pos[None] < v[:, None]) & (a[:, None] >= pos[None])
+      np.testing.assert_array_equal(np.asarray(ring.row_step[s % 8]), age)
+      reached = (pos[None] < v[:, None]) & (a[:, None] >= pos[None]) & (age >= warmup)[:, None]
+      age = age + (np.asarray(ring.emitted[s % 8]) > 0)
       hits = hits * decay + (reached & (a[:, None] > pos[None]))
       trials = trials * decay + reached
   assert trials[:, 1:].sum() > 0 and hits[:, 1:].sum() > 0

@@ -173,6 +173,31 @@ def test_a_rows_warm_up_steps_are_left_out_of_the_window():
     np.testing.assert_allclose(np.asarray(t), trials, err_msg=f"warmup={warmup}")
 
 
+def test_the_controller_does_not_count_a_rows_warm_up():
+  """Two rows 12 steps into their generation, one draft per step: rejected in their first 8
+  steps, accepted in the next 4. Counting the start, the controller sees 1/3 acceptance and
+  decodes plainly (one draft costs 1.5 x plain); leaving it out, it sees 4/4 and drafts."""
+  cfg = tiny_config()
+  chosen = {}
+  for warmup in (0, 8):
+    eng = E.Engine(cfg.model, cfg.heads, DecodeConfig(batch_size=2, k=-1, adaptive=True,
+                                                      max_len=32, adapt_warmup=warmup), 0)
+    kd = eng.kd
+    st = eng._init_state_unplaced(cost=[1.0, 1.5] + [1.5 + k for k in range(1, kd)])
+    ring = st.ring
+    z = jnp.zeros((2, kd + 1), jnp.int32)
+    for s in range(12):
+      acc = jnp.full((2,), int(s >= 8))
+      ring = ring_lib.record(ring, s, z, 1 + acc, jnp.ones((2,), jnp.int32), acc, 1, 2,
+                             jnp.full((2,), s))
+    st = st.replace(ring=ring, step=jnp.asarray(12), row_steps=jnp.full((2,), 12),
+                    done=jnp.zeros((2,), bool), length=jnp.full((2,), 20),
+                    stop_len=jnp.full((2,), 30), n_fresh=jnp.full((2,), kd),
+                    draft_conf=jnp.full((2, kd), 0.5))
+    chosen[warmup] = int(eng.choose_k(st, (0, 1)))
+  assert chosen == {0: 0, 8: 1}
+
+
 def test_cost_table_round_trip(tmp_path):
   path = str(tmp_path / "c.json")
   assert A.load_table(path, "x") is None

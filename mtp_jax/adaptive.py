@@ -69,10 +69,10 @@ def row_window(ring: ring_lib.Ring, step, window: int, k_max: int, warmup: int =
   return jnp.sum(hits, 0).astype(jnp.float32), jnp.sum(trials, 0).astype(jnp.float32)
 
 
-def window_rates(ring: ring_lib.Ring, step, window: int, k_max: int, warmup: int = 0):
+def window_rates(ring: ring_lib.Ring, step, window: int, k_max: int):
   """Per draft position i: the conditional acceptance rate P(accept i | reached i) over the last
   `window` steps, and the number of trials. -> (rate [K], trials [K])."""
-  return pooled_rates(*row_window(ring, step, window, k_max, warmup))
+  return pooled_rates(*row_window(ring, step, window, k_max))
 
 
 def pooled_rates(hits_BK, trials_BK):
@@ -335,13 +335,13 @@ def measure_costs(engine, params, rel_err: float = 0.02, budget_s: float = 60.0,
       row[k] = one(k)
     rows.append(row)
     n = len(rows)
-    if n >= min_rounds and k1 > 1:
-      lr = np.log(np.asarray(rows)[:, 1:] / np.asarray(rows)[:, :1])
-      se = float(np.max(1.2533 * lr.std(axis=0, ddof=1) / np.sqrt(n)))   # of a median
+    if n >= min_rounds:
+      t = np.asarray(rows)                                       # [rounds, K+1]
+      lr = np.log(t[:, 1:] / t[:, :1])
+      # of a median; 0 for an engine without drafts (nothing to weigh against c(0))
+      se = float(np.max(1.2533 * lr.std(axis=0, ddof=1) / np.sqrt(n), initial=0.0))
       if se < rel_err or time.perf_counter() - start > budget_s:
         break
-    elif n >= min_rounds:
-      break
   t = np.asarray(rows).T                                         # [K+1, rounds]
   cost = monotone([float(np.median(t[0]) * np.median(t[k] / t[0])) for k in range(k1)])
-  return cost, {"rounds": len(rows), "rel_se": round(se, 4) if k1 > 1 else 0.0}
+  return cost, {"rounds": len(rows), "rel_se": round(se, 4)}

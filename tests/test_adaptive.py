@@ -538,3 +538,8 @@ def test_cost_table_is_measured_to_the_asked_precision(trained_tiny):
   cost, info = A.measure_costs(eng, params, rel_err=0.0, budget_s=1e9, min_rounds=2,
                                max_rounds=6)
   assert info["rounds"] == 6
+  # An engine without drafts has no ratio to measure: min_rounds, then done.
+  eng0 = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=2, max_len=64, adaptive=True, k=0,
+                                           ring_size=8), tok.eod_id)
+  cost, info = A.measure_costs(eng0, params, min_rounds=2)
+  assert len(cost) == 1 and cost[0] > 0 and info == {"rounds": 2, "rel_se": 0.0}

@@ -28,7 +28,8 @@ _INPUT = flags.DEFINE_string("input", None, "JSONL requests.")
 _OUTPUT = flags.DEFINE_string("output", None, "JSONL results (appended; resumes).")
 _K = flags.DEFINE_string("k", "auto", "Drafts per step: 'auto' (adaptive), -1 all heads, 0 plain.")
 _CALIBRATE = flags.DEFINE_bool("calibrate", False, "Re-measure the cost table of --k=auto.")
-_COSTS = flags.DEFINE_string("cost_table", None, "Cost table JSON (default: ~/.cache/mtp_jax).")
+_COSTS = flags.DEFINE_string("cost_table", None, "Cost table JSON, which also keeps the "
+                             "acceptance runs measured (default: ~/.cache/mtp_jax).")
 _BATCH = flags.DEFINE_string(
     "batch_size", "auto", "Decode slots, or 'auto': the most whose decode state (KV cache, ...) "
     "fits --kv_budget_gb, at most --max_batch_size and the number of requests (rounded up to a "

@@ -138,15 +138,16 @@ def row_sd(alpha_BK, row_trials_BK):
   return jnp.sqrt(alpha_BK * (1.0 - alpha_BK) / (n + 1.0))
 
 
-def run_rates(drafted_K, accepted_K, min_trials: int = 16) -> list[float]:
+def run_rates(trials_K, hits_K, min_trials: int = 16) -> list[float]:
   """Per draft position, the conditional acceptance rate of a finished run from its counters
-  (DecodeState.drafted / accepted): accepted[i] / accepted[i-1] (accepted[0] / drafted[0]), -1
-  where fewer than min_trials drafts were verified there. Host side; the next run's prior."""
-  out, reached = [], None
-  for d, a in zip(np.asarray(drafted_K, float), np.asarray(accepted_K, float)):
-    base = d if reached is None else min(reached, d)
-    out.append(float(np.clip(a / base, 0.0, 1.0)) if d >= min_trials and base > 0 else -1.0)
-    reached = a
+  (DecodeState.cond_trials / cond_hits): P(accept i | verified there with every draft before it
+  accepted), -1 where fewer than min_trials such drafts were verified. (Drafts accepted / drafts
+  verified per position would not do where k changed during the run: a later position is
+  verified only in the run's steps that draft that far, its position before in every drafting
+  step.) Host side; the next run's prior."""
+  out = []
+  for r, a in zip(np.asarray(trials_K, float), np.asarray(hits_K, float)):
+    out.append(float(np.clip(a / r, 0.0, 1.0)) if r >= min_trials else -1.0)
   return out
 
 
@@ -262,28 +263,75 @@ def default_table_path() -> str:
   return os.path.join(base, "mtp_jax", "cost_tables.json")
 
 
-def load_table(path: str, key: str):
+def _load_entry(path: str, key: str):
   try:
     with open(path) as f:
-      tables = json.load(f)
-  except (OSError, json.JSONDecodeError):
+      return json.load(f).get(key)
+  except (OSError, json.JSONDecodeError, AttributeError):
     return None
-  entry = tables.get(key)
-  return None if entry is None else [float(x) for x in entry["cost_s"]]
 
 
-def save_table(path: str, key: str, cost: list[float], **info):
+def _save_entry(path: str, key: str, entry: dict):
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   try:
     with open(path) as f:
       tables = json.load(f)
   except (OSError, json.JSONDecodeError):
     tables = {}
-  tables[key] = {"cost_s": cost, "measured": time.strftime("%Y-%m-%dT%H:%M:%S"), **info}
-  tmp = path + ".tmp"
+  if not isinstance(tables, dict):
+    tables = {}
+  tables[key] = {**entry, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+  tmp = f"{path}.{os.getpid()}.tmp"
   with open(tmp, "w") as f:
     json.dump(tables, f, indent=2)
   os.replace(tmp, path)
+
+
+def load_table(path: str, key: str):
+  entry = _load_entry(path, key)
+  return None if entry is None else [float(x) for x in entry["cost_s"]]
+
+
+def save_table(path: str, key: str, cost: list[float], **info):
+  _save_entry(path, key, {"cost_s": cost, **info})
+
+
+# ----------------------------------------------------------------------------- stored acceptance
+
+
+def params_fingerprint(params) -> str:
+  """A short hash of the weights (each leaf's shape, dtype and the first 64 values of its first
+  row): acceptance is a property of the trained heads, and two models of one config accept
+  differently. Reads a few values per leaf, never a whole (possibly sharded) array."""
+  h = hashlib.sha1()
+  for leaf in jax.tree.leaves(params):
+    leaf = jnp.asarray(leaf)
+    row = leaf[(0,) * (leaf.ndim - 1)] if leaf.ndim else leaf[None]
+    head = np.asarray(jax.device_get(row[:64]), np.float32)
+    h.update(repr((leaf.shape, str(leaf.dtype))).encode())
+    h.update(head.tobytes())
+  return h.hexdigest()[:12]
+
+
+def rates_key(engine, fingerprint: str, sampled: bool) -> str:
+  """Key of a model's measured acceptance per draft position in the tables file: the weights,
+  the drafter and K_max, greedy or sampled (rejection sampling accepts less), but not the
+  device or the slot count (acceptance is the model's and the text's, not the machine's)."""
+  return (f"acceptance|weights={fingerprint}|drafter={engine.drafter}|k_max={engine.kd}"
+          f"|{'sampled' if sampled else 'greedy'}")
+
+
+def load_rates(path: str, key: str) -> list[float] | None:
+  """The stored acceptance per draft position (-1 where unknown), or None."""
+  entry = _load_entry(path, key)
+  try:
+    return [float(x) for x in entry["rates"]]
+  except (KeyError, TypeError, ValueError):
+    return None
+
+
+def save_rates(path: str, key: str, rates: list[float]):
+  _save_entry(path, key, {"rates": [round(float(r), 4) for r in rates]})
 
 
 def monotone(cost: list[float]) -> list[float]:

@@ -68,7 +68,11 @@ class Decoder:
                                     None if draft is None else draft[:2], mesh=mesh)
     self.seed = seed
     self.last_stats: dict = {}
-    self._prior: list[float] | None = None   # acceptance per draft position of the last run
+    # Acceptance per draft position that earlier runs measured, greedy (False) and sampled
+    # (True): the controller's prior.
+    self._prior: dict[bool, list[float]] = {}
+    self._rates_path: str | None = None      # where runs' acceptance is stored (calibrate)
+    self._fingerprint: str | None = None
     self.last_timing: dict = {}
 
   @classmethod
@@ -95,8 +99,20 @@ class Decoder:
                mesh=None if mesh is None else sharding_lib.make_mesh(mesh))
 
   def calibrate(self, table_path: str | None = None, force: bool = False) -> list[float]:
-    """Cost table of the adaptive controller (see Engine.calibrate)."""
-    return self.engine.calibrate(self.params, table_path, force)
+    """Cost table of the adaptive controller (see Engine.calibrate). The same file then keeps
+    the acceptance per draft position that this model's runs measure (adaptive.rates_key): a
+    later process starts from it where the heads' confidence alone would be its only guide (the
+    confidence understates how often greedy drafts are accepted, and a first run would decode
+    plainly until probes had shown otherwise)."""
+    cost = self.engine.calibrate(self.params, table_path, force)
+    if self.engine.cfg.adaptive:
+      self._rates_path = table_path or adaptive.default_table_path()
+      if self._fingerprint is None:
+        self._fingerprint = adaptive.params_fingerprint(self.params)
+    return cost
+
+  def _rates_key(self, sampled: bool) -> str:
+    return adaptive.rates_key(self.engine, self._fingerprint, sampled)
 
   def warmup(self, max_prompt_len: int | None = None) -> int:
     """Compiles every shape serving can meet (see Engine.warmup)."""
@@ -125,8 +141,19 @@ class Decoder:
     wait = [0.0]                       # seconds blocked on the device (for host overhead)
     ttft = [0.0] * len(requests)
     state = eng.init_state(self.seed)
-    if eng.cfg.adaptive and self._prior is not None:
-      state = state.replace(prior_rate=jax.device_put(np.asarray(self._prior, np.float32),
+    sampled_run = any(engine_lib.needs_sampling(r.temperature, r.repetition_penalty)
+                      for r in requests)
+    prior = self._prior.get(sampled_run)
+    if eng.cfg.adaptive and prior is None and self._rates_path:
+      # Another process's: the first position only. Positions past it are tried only where the
+      # controller drafts that far, so a low rate stored for them by other text could keep this
+      # run from ever drafting that far; unknown, they start from the first position's estimate
+      # (row_alpha).
+      stored = adaptive.load_rates(self._rates_path, self._rates_key(sampled_run))
+      if stored is not None and len(stored) == eng.kd and stored[0] >= 0:
+        prior = [stored[0]] + [-1.0] * (eng.kd - 1)
+    if eng.cfg.adaptive and prior is not None:
+      state = state.replace(prior_rate=jax.device_put(np.asarray(prior, np.float32),
                                                       state.prior_rate.sharding))
     base_key = jax.random.key(self.seed)
     drain = ring_lib.Drain()
@@ -240,9 +267,12 @@ class Decoder:
     hand_over()
     self.last_stats = engine_lib.stats(state)
     if eng.cfg.adaptive:     # the acceptance this run saw: the next run's prior (adaptive k)
-      rates = adaptive.run_rates(self.last_stats["drafted"], self.last_stats["accepted"])
-      if self._prior is None or max(rates, default=-1.0) >= 0:
-        self._prior = [r if r >= 0 else p for r, p in zip(rates, self._prior or rates)]
+      st = self.last_stats
+      rates = adaptive.run_rates(st["cond_trials"], st["cond_hits"])
+      prior = [r if r >= 0 else p for r, p in zip(rates, prior or rates)]
+      self._prior[sampled_run] = prior
+      if self._rates_path and max(rates, default=-1.0) >= 0:
+        adaptive.save_rates(self._rates_path, self._rates_key(sampled_run), prior)
     self.last_timing = {"wall_s": time.perf_counter() - t_start, "wait_s": wait[0]}
     return results
 

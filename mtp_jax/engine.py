@@ -59,6 +59,10 @@ class DecodeState:
   row_emitted: jax.Array   # [B] tokens emitted by decode steps
   drafted: jax.Array       # [Kd] drafts verified, per draft position
   accepted: jax.Array      # [Kd] drafts accepted, per draft position
+  cond_trials: jax.Array   # [Kd] drafts reached (verified, every draft before them accepted)
+  cond_hits: jax.Array     # [Kd] and accepted there; an adaptive engine leaves each row's first
+                           # adapt_warmup steps out: the run's conditional acceptance per
+                           # position (adaptive.run_rates), the next run's prior
   row_hits: jax.Array      # [B, Kd] f32: the row's drafts accepted per position, since its
                            # insert, decaying over adaptive.ROW_MEMORY_STEPS steps (adaptive
                            # engines only; zeros otherwise)
@@ -177,6 +181,7 @@ class Engine:
         ring=ring_lib.init_ring(self.cfg.ring_size, b, kd), step=jnp.zeros((), jnp.int32),
         row_steps=jnp.zeros((b,), jnp.int32), row_emitted=jnp.zeros((b,), jnp.int32),
         drafted=jnp.zeros((kd,), jnp.int32), accepted=jnp.zeros((kd,), jnp.int32),
+        cond_trials=jnp.zeros((kd,), jnp.int32), cond_hits=jnp.zeros((kd,), jnp.int32),
         row_hits=jnp.zeros((b, kd), jnp.float32), row_trials=jnp.zeros((b, kd), jnp.float32),
         cost=jnp.asarray(self.cost if cost is None else cost, jnp.float32),
         k_force=jnp.asarray(-1, jnp.int32),
@@ -648,14 +653,20 @@ class Engine:
     drafted = state.drafted + jnp.sum((pos_k < verified[:, None]).astype(jnp.int32), 0)
     accepted = state.accepted + jnp.sum(
         (active[:, None] & (n[:, None] > pos_k)).astype(jnp.int32), 0)
-    # Per row and position: reached (verified there, every draft before it accepted), accepted.
-    # Only the controller reads them: a fixed-k engine carries them unchanged.
+    # Reached: verified there, every draft before it accepted; an adaptive engine does not
+    # count a row's warm-up steps (adaptive.row_window).
+    reached = (pos_k < verified[:, None]) & (n[:, None] >= pos_k)              # [B, Kd]
+    if self.cfg.adaptive:
+      reached = reached & (state.row_steps >= self.cfg.adapt_warmup)[:, None]
+    hit = reached & (n[:, None] > pos_k)
+    cond_trials = state.cond_trials + jnp.sum(reached.astype(jnp.int32), 0)
+    cond_hits = state.cond_hits + jnp.sum(hit.astype(jnp.int32), 0)
+    # The same per row, decaying: only the controller reads them, and a fixed-k engine carries
+    # them unchanged.
     row_hits, row_trials = state.row_hits, state.row_trials
-    if self.cfg.adaptive:   # a row's warm-up steps are not counted (adaptive.row_window)
-      counted = (state.row_steps >= self.cfg.adapt_warmup)[:, None]
-      reached = (pos_k < verified[:, None]) & (n[:, None] >= pos_k) & counted
+    if self.cfg.adaptive:
       decay = 1.0 - 1.0 / adaptive.ROW_MEMORY_STEPS
-      row_hits = row_hits * decay + (reached & (n[:, None] > pos_k)).astype(jnp.float32)
+      row_hits = row_hits * decay + hit.astype(jnp.float32)
       row_trials = row_trials * decay + reached.astype(jnp.float32)
     ring = ring_lib.record(state.ring, state.step, out, n_emit, verified, jnp.where(active, n, 0),
                            k, n_active, state.row_steps)
@@ -666,7 +677,8 @@ class Engine:
         step=state.step + 1,
         row_steps=state.row_steps + active.astype(jnp.int32),
         row_emitted=state.row_emitted + n_emit, drafted=drafted,
-        accepted=accepted, row_hits=row_hits, row_trials=row_trials)
+        accepted=accepted, cond_trials=cond_trials, cond_hits=cond_hits,
+        row_hits=row_hits, row_trials=row_trials)
 
   def row_limit(self, state: DecodeState):
     """Per row, the drafts it may verify: its fresh drafts, cut before the first one whose
@@ -897,4 +909,6 @@ def stats(state: DecodeState) -> dict:
       "acceptance_rate_per_position": [float(a / d) if d else 0.0
                                        for a, d in zip(accepted, drafted)],
       "drafted": drafted.tolist(), "accepted": accepted.tolist(),
+      "cond_trials": np.asarray(state.cond_trials).tolist(),
+      "cond_hits": np.asarray(state.cond_hits).tolist(),
   }

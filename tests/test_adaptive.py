@@ -9,6 +9,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from mtp_jax import adaptive as A
 from mtp_jax import api
@@ -470,9 +471,9 @@ def test_only_the_variants_that_can_pay_are_compiled(trained_tiny):
 
 
 def test_rates_of_a_run_become_the_next_runs_prior():
-  # 100 drafts verified at every position; 80 accepted at the first, 60 reached and accepted the
-  # second (conditional 0.75), 30 the third (0.5); a position with too few trials is unknown.
-  assert A.run_rates([100, 100, 100], [80, 60, 30]) == [0.8, 0.75, 0.5]
+  # 100 first drafts verified, 80 accepted; 80 second drafts reached, 60 accepted (conditional
+  # 0.75); 60 third drafts reached, 30 accepted (0.5); a position with too few trials is unknown.
+  assert A.run_rates([100, 80, 60], [80, 60, 30]) == [0.8, 0.75, 0.5]
   assert A.run_rates([100, 10], [80, 5]) == [0.8, -1.0]
   conf = jnp.full((2, 3), 0.3)
   no_trials = jnp.zeros((3,))
@@ -488,7 +489,8 @@ def test_rows_own_counts_remember_past_the_window(trained_tiny):
   """Per row and draft position, the decayed counts of drafts reached and accepted since the
   row's insert (what the controller weighs a row's later positions by) follow the ring's record
   of every step past the row's warm-up, across calls longer than the window; an insert starts
-  a row's counts afresh."""
+  a row's counts afresh. The run's conditional counters (the next run's prior) are the same
+  counts, summed over rows and not decayed."""
   _, workdir, _ = trained_tiny
   mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
   warmup = 3
@@ -499,6 +501,7 @@ def test_rows_own_counts_remember_past_the_window(trained_tiny):
   prefix = eng.prefill(params, prompts, jax.random.key(0), [0.0] * b, [0] * b, [1.0] * b)
   state = eng.insert(prefix, eng.init_state(), [0, 1], 60, 0.0, 0, 1.0)
   hits, trials = np.zeros((b, kd)), np.zeros((b, kd))
+  run_hits, run_trials = np.zeros(kd), np.zeros(kd)
   decay = 1.0 - 1.0 / A.ROW_MEMORY_STEPS
   pos = np.arange(kd)
   age = np.zeros(b, int)                    # each row's steps since its insert
@@ -514,9 +517,18 @@ def test_rows_own_counts_remember_past_the_window(trained_tiny):
       age = age + (np.asarray(ring.emitted[s % 8]) > 0)
       hits = hits * decay + (reached & (a[:, None] > pos[None]))
       trials = trials * decay + reached
+      run_hits += (reached & (a[:, None] > pos[None])).sum(0)
+      run_trials += reached.sum(0)
   assert trials[:, 1:].sum() > 0 and hits[:, 1:].sum() > 0
   np.testing.assert_allclose(np.asarray(state.row_trials), trials, rtol=1e-5)
   np.testing.assert_allclose(np.asarray(state.row_hits), hits, rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(state.cond_trials), run_trials)
+  np.testing.assert_array_equal(np.asarray(state.cond_hits), run_hits)
+  # k changed between calls, so a later position was verified in fewer steps than the one
+  # before it was reached: its conditional rate is not accepted / drafted there.
+  st = E.stats(state)
+  assert st["drafted"][1] < st["cond_trials"][0]
+  assert A.run_rates(run_trials, run_hits, min_trials=1) == pytest.approx(run_hits / run_trials)
   state = eng.insert(eng.prefill(params, prompts[:1], jax.random.key(1), [0.0], [0], [1.0]),
                      state, [1], 60, 0.0, 0, 1.0)
   np.testing.assert_allclose(np.asarray(state.row_trials)[1], 0.0)
@@ -543,3 +555,53 @@ def test_cost_table_is_measured_to_the_asked_precision(trained_tiny):
                                            ring_size=8), tok.eod_id)
   cost, info = A.measure_costs(eng0, params, min_rounds=2)
   assert len(cost) == 1 and cost[0] > 0 and info == {"rounds": 2, "rel_se": 0.0}
+
+
+def test_a_later_process_starts_from_the_acceptance_a_run_stored(trained_tiny, tmp_path):
+  """Beside the cost table, a run stores the acceptance per position it measured, keyed by the
+  weights, greedy and sampled apart; a new decoder of the same model starts from the first
+  position's rate (later positions are left to its own trials); other weights do not find it."""
+  _, workdir, _ = trained_tiny
+  mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
+  dcfg = DecodeConfig(batch_size=2, max_len=96, adaptive=True, ring_size=8)
+  path = str(tmp_path / "tables.json")
+  reqs = [api.Request(tok.encode(p), 40) for p in ("def f(x):\n    return x", "import os\n")]
+
+  def decoder(p=params):
+    dec = api.Decoder(mcfg, hcfg, p, tok, dcfg)
+    # Drafting all but free: the controller drafts, and the run has counts to store.
+    A.save_table(path, A.table_key(dec.engine),
+                 [1.0 + 0.01 * k for k in range(dec.engine.kd + 1)])
+    dec.calibrate(path)
+    starts = []
+    generate = dec.engine.generate
+
+    def spy(params_, state, *a, **kw):
+      if not starts:
+        starts.append(np.asarray(state.prior_rate))
+      return generate(params_, state, *a, **kw)
+    dec.engine.generate = spy
+    return dec, starts
+
+  dec, starts = decoder()
+  dec.run(reqs)
+  assert np.all(starts[0] == -1.0)                                        # nothing stored yet
+  st = dec.last_stats
+  assert st["cond_trials"][0] >= 16, st
+  stored = A.load_rates(path, A.rates_key(dec.engine, A.params_fingerprint(params), False))
+  assert stored is not None
+  assert stored[0] >= 0
+  assert stored == pytest.approx(A.run_rates(st["cond_trials"], st["cond_hits"]), abs=1e-4)
+  assert A.load_rates(path, A.rates_key(dec.engine, A.params_fingerprint(params), True)) is None
+
+  dec2, starts2 = decoder()
+  dec2.run(reqs)
+  np.testing.assert_allclose(starts2[0], [stored[0]] + [-1.0] * (dec2.engine.kd - 1),
+                             atol=1e-6)
+
+  other = jax.tree.map(lambda x: x * 1.01 if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                       params)
+  assert A.params_fingerprint(other) != A.params_fingerprint(params)
+  dec3, starts3 = decoder(other)
+  dec3.run(reqs)
+  assert np.all(starts3[0] == -1.0)

@@ -150,7 +150,7 @@ class Decoder:
       # run from ever drafting that far; unknown, they start from the first position's estimate
       # (row_alpha).
       stored = adaptive.load_rates(self._rates_path, self._rates_key(sampled_run))
-      if stored is not None and len(stored) == eng.kd and stored[0] >= 0:
+      if stored is not None and eng.kd > 0 and len(stored) == eng.kd and stored[0] >= 0:
         prior = [stored[0]] + [-1.0] * (eng.kd - 1)
     if eng.cfg.adaptive and prior is not None:
       state = state.replace(prior_rate=jax.device_put(np.asarray(prior, np.float32),

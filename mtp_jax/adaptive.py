@@ -99,7 +99,10 @@ def row_alpha(rate_K, trials_K, conf_BK, cut_B, row_hits_BK=None, row_trials_BK=
   the estimate of the position before it (so a position never tried yet is expected to do as
   well as the last one tried, and gets tried when that pays). prior_K (rates measured by earlier
   runs of the same decoder; < 0 where unknown) replaces that prior where known: the heads'
-  confidence tends to understate how often greedy drafts are accepted. With the row's own window
+  confidence tends to understate how often greedy drafts are accepted. At the first position a
+  row whose head is surer than that rate keeps its confidence (text that repeats drafts better
+  than the earlier runs' average; less sure says little, as the confidence understates). With
+  the row's own window
   counts, that estimate is in turn the prior of the row's own rate (rows differ: some text is
   easier to draft than other), by ROW_PRIOR_TRIALS; at later positions, where a row that drafts
   badly has few trials, the prior is scaled by how the row does at the first position against
@@ -109,7 +112,8 @@ def row_alpha(rate_K, trials_K, conf_BK, cut_B, row_hits_BK=None, row_trials_BK=
   cols, prior = [], conf_BK[:, 0]
   for i in range(conf_BK.shape[1]):
     if prior_K is not None:
-      prior = jnp.where(prior_K[i] >= 0, prior_K[i], prior)
+      known = prior_K[i] if i else jnp.maximum(prior_K[0], conf_BK[:, 0])
+      prior = jnp.where(prior_K[i] >= 0, known, prior)
     a = lam[..., i] * rate_K[..., i] + (1.0 - lam[..., i]) * prior
     cols.append(a)
     prior = a

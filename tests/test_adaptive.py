@@ -481,6 +481,10 @@ def test_rates_of_a_run_become_the_next_runs_prior():
                       prior_K=jnp.asarray([0.9, 0.8, -1.0]))
   # Known positions take the prior, an unknown one the estimate before it.
   np.testing.assert_allclose(np.asarray(alpha), [[0.9, 0.8, 0.8]] * 2, atol=1e-6)
+  # A head surer than the first position's prior keeps its confidence there.
+  alpha = A.row_alpha(jnp.zeros((3,)), no_trials, jnp.asarray([[0.95, 0.3, 0.3], [0.3] * 3]),
+                      jnp.array([3, 3]), prior_K=jnp.asarray([0.9, 0.8, -1.0]))
+  np.testing.assert_allclose(np.asarray(alpha), [[0.95, 0.8, 0.8], [0.9, 0.8, 0.8]], atol=1e-6)
   alpha = A.row_alpha(jnp.zeros((3,)), no_trials, conf, jnp.array([3, 3]))
   np.testing.assert_allclose(np.asarray(alpha), np.full((2, 3), 0.3), atol=1e-6)
 

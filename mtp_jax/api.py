@@ -115,8 +115,13 @@ class Decoder:
     return adaptive.rates_key(self.engine, self._fingerprint, sampled)
 
   def warmup(self, max_prompt_len: int | None = None) -> int:
-    """Compiles every shape serving can meet (see Engine.warmup)."""
-    return self.engine.warmup(self.params, max_prompt_len)
+    """Compiles every shape serving can meet (see Engine.warmup), and the copy a chunk's drain
+    makes of the ring, so that the first run compiles nothing. -> the number of buckets."""
+    n = self.engine.warmup(self.params, max_prompt_len)
+    state = self.engine.init_state()
+    ring_lib.Drain().drain(state.ring, state.step, state.done, state.row_steps)
+    jax.block_until_ready(jax.random.fold_in(jax.random.key(self.seed), 0))   # rows' keys (run)
+    return n
 
   def generate(self, prompts: Sequence[str], max_new_tokens: int = 128, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0,
@@ -249,7 +254,9 @@ class Decoder:
         cancel[:] = False
       if eng.cfg.adaptive and closed != (not queue):
         closed = not queue
-        state = state.replace(closed=jnp.asarray(closed))
+        # Placed as the state's own flag is: an uncommitted array would be another argument
+        # kind to the compiled generate, and the first run after warm-up would compile it anew.
+        state = state.replace(closed=jax.device_put(np.asarray(closed), state.closed.sharding))
       sample = bool(np.any(sampled & (np.asarray(slot_req) >= 0)))
       # While requests wait, the chunk ends once refill_rows slots are free (not at once for
       # one slot in a large batch: each refill is a host round trip).

@@ -154,7 +154,6 @@ def test_no_recompilation_after_warmup(seq_model):
   tok = model[3]
   dec = _decoder(model, k=3)
   dec.warmup(max_prompt_len=40)
-  dec.run([api.Request(tok.encode(PROMPTS[0]), 8)])
   counter = _CompileCounter()
   logger = logging.getLogger("jax")
   logger.addHandler(counter)

@@ -370,7 +370,7 @@ def measure_costs(engine, params, rel_err: float = 0.02, budget_s: float = 60.0,
   def one(k):
     state = engine.insert(prefix, engine.init_state(), list(range(b)), engine.cfg.max_len,
                           0.0, 0, 1.0)
-    state = state.replace(k_force=jnp.asarray(k, jnp.int32))
+    state = engine.put(state, k_force=k)
     jax.block_until_ready(state)
     t0 = time.perf_counter()
     state = engine.generate(params, state, steps, sample=False)

@@ -115,8 +115,9 @@ class Decoder:
     return adaptive.rates_key(self.engine, self._fingerprint, sampled)
 
   def warmup(self, max_prompt_len: int | None = None) -> int:
-    """Compiles every shape serving can meet (see Engine.warmup), and the copy a chunk's drain
-    makes of the ring, so that the first run compiles nothing. -> the number of buckets."""
+    """Compiles every shape serving can meet (see Engine.warmup), the copy a chunk's drain
+    makes of the ring and the rows' key folding, so that the first run compiles nothing.
+    -> the number of buckets."""
     n = self.engine.warmup(self.params, max_prompt_len)
     state = self.engine.init_state()
     ring_lib.Drain().drain(state.ring, state.step, state.done, state.row_steps)
@@ -158,8 +159,7 @@ class Decoder:
       if stored is not None and eng.kd > 0 and len(stored) == eng.kd and stored[0] >= 0:
         prior = [stored[0]] + [-1.0] * (eng.kd - 1)
     if eng.cfg.adaptive and prior is not None:
-      state = state.replace(prior_rate=jax.device_put(np.asarray(prior, np.float32),
-                                                      state.prior_rate.sharding))
+      state = eng.put(state, prior_rate=prior)
     base_key = jax.random.key(self.seed)
     drain = ring_lib.Drain()
     queue = list(range(len(requests)))[::-1]
@@ -254,9 +254,7 @@ class Decoder:
         cancel[:] = False
       if eng.cfg.adaptive and closed != (not queue):
         closed = not queue
-        # Placed as the state's own flag is: an uncommitted array would be another argument
-        # kind to the compiled generate, and the first run after warm-up would compile it anew.
-        state = state.replace(closed=jax.device_put(np.asarray(closed), state.closed.sharding))
+        state = eng.put(state, closed=closed)
       sample = bool(np.any(sampled & (np.asarray(slot_req) >= 0)))
       # While requests wait, the chunk ends once refill_rows slots are free (not at once for
       # one slot in a large batch: each refill is a host round trip).

@@ -189,6 +189,15 @@ class Engine:
         plain_segs=jnp.zeros((), jnp.int32), seg_k=jnp.zeros((), jnp.int32),
         prior_rate=jnp.full((kd,), -1.0, jnp.float32))
 
+  @staticmethod
+  def put(state: DecodeState, **values) -> DecodeState:
+    """state with fields set from host values, each placed as the field already is: an
+    uncommitted array is another argument kind to the compiled calls, which would compile
+    again for it (the whole generate program)."""
+    return state.replace(**{
+        name: jax.device_put(np.asarray(v, getattr(state, name).dtype),
+                             getattr(state, name).sharding) for name, v in values.items()})
+
   def bucket(self, n: int) -> int:
     """The prefill bucket (a power of two >= min_bucket, at most max_len - k - 1) for n tokens."""
     cap = self.cfg.max_len - self.kd - 1

@@ -18,10 +18,12 @@ Once no request waits for a slot (the host says so: DecodeState.closed), tokens 
 whole batch no longer matter, only when its last row finishes: the controller then minimises the
 expected max over active rows of remaining_i / E_i[emitted | k] * c(k) (choose_k_to_finish).
 Otherwise rows that draft well would finish early and leave their slots idle while the rows that
-draft badly, at the same cost per step, set the end of the job. The expectation runs over each
-row's uncertain acceptance (FINISH_DRAWS fixed draws around its estimate, spread by the trials
-behind it: row_sd), since the max over rows is set by the rows that may draft worse than they
-seem.
+draft badly, at the same cost per step, set the end of the job. The expectation runs over the
+acceptance each row will realise (FINISH_DRAWS fixed draws around its estimate, spread by the
+trials behind it and by the steps it has left: finish_sd), since the max over rows is set by the
+rows that may draft worse than they seem. There a row's own counts are its whole memory
+(DecodeState.row_hits / row_trials) at every position: a row that lags lags because it drafted
+worse, also where that was longer ago than the window.
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ ROW_PRIOR_TRIALS_LATER = 4.0
 # they remember its positions past the first over the few drafting segments the controller tries
 # there, and still follow a change of text.
 ROW_MEMORY_STEPS = 64.0
+# A row's acceptance is overdispersed: accepted drafts come in runs (a repetitive stretch of code,
+# then a novel one), so n drafts tell about as much as n / ROW_OVERDISPERSION independent trials
+# would. With ROW_PRIOR_TRIALS = 16 this puts the spread of rows' rates with no counts of their own
+# at sqrt(2 x 0.78 x 0.22 / 16) = 0.15, the spread of whole requests' rates on the demo model
+# (0.16-0.17 at 16 and 256 slots; 0.10 when the counts were taken as binomial).
+ROW_OVERDISPERSION = 2.0
 FINISH_DRAWS = 64     # draws of the rows' acceptance over which choose_k_to_finish takes its mean
 
 
@@ -137,9 +145,25 @@ def row_prior_trials(k_max: int):
 def row_sd(alpha_BK, row_trials_BK):
   """-> [B, K]: the uncertainty of each row's acceptance estimate (row_alpha), a standard
   deviation by the trials behind it: the row's own, plus the row prior's weight of shared
-  estimate. With no trials of its own, that is about how much rows' true rates spread."""
+  estimate, each worth 1 / ROW_OVERDISPERSION of an independent trial. With no trials of its
+  own, that is about how much rows' true rates spread."""
   n = row_trials_BK + row_prior_trials(alpha_BK.shape[1])[None]
-  return jnp.sqrt(alpha_BK * (1.0 - alpha_BK) / (n + 1.0))
+  return jnp.sqrt(ROW_OVERDISPERSION * alpha_BK * (1.0 - alpha_BK) / n)
+
+
+def finish_sd(alpha_BK, row_trials_BK, remaining_B):
+  """-> [B, K]: the spread of the acceptance each row will realise over the steps it has left,
+  for choose_k_to_finish: its rate's uncertainty (row_sd) and the scatter of a rate realised
+  over h steps around the true one, (overdispersed) binomial noise of variance
+  ROW_OVERDISPERSION x a(1 - a) / h, with h the row's remaining tokens over 1 + its first
+  position's rate. When a job ends is set by the acceptance its last rows realise, not by
+  their means: near the end, with a few dozen steps left, the scatter is as large as the rows'
+  spread, and without it the controller drafted the last 30-40 steps at 256 slots, where the
+  last rows then emitted 1.35 tokens a step against the 1.4 plain steps each drafting step
+  cost."""
+  h = jnp.maximum(remaining_B.astype(jnp.float32)[:, None] / (1.0 + alpha_BK[:, :1]), 1.0)
+  noise = ROW_OVERDISPERSION * alpha_BK * (1.0 - alpha_BK) / h
+  return jnp.sqrt(row_sd(alpha_BK, row_trials_BK) ** 2 + noise)
 
 
 def run_rates(trials_K, hits_K, min_trials: int = 16) -> list[float]:
@@ -208,7 +232,8 @@ def choose_k_to_finish(cost_K1, alpha_BK, active_B, remaining_B, margin: float =
   of each row's acceptance, alpha + sd * z with one standard normal z per row and draw (text
   that is hard to draft is hard at every position): the rows that may draft worse than their
   estimates show set the end, and more so the more rows there are and the fewer their trials.
-  The draws are fixed, so the choice is a function of the state. Ties go to the smaller k; k > 0
+  (finish_sd is the spread the controller gives.) The draws are fixed, so the choice is a
+  function of the state. Ties go to the smaller k; k > 0
   only when it is expected to finish sooner than plain decoding by more than `margin` (see
   choose_k; allowed_K1 as there)."""
   rem = remaining_B.astype(jnp.float32)[None, :, None]                       # [1, B, 1]

@@ -726,10 +726,17 @@ class Engine:
                                own_hits, own_trials, state.prior_rate)
     active = ~state.done
     margin = self.cfg.adapt_margin
+    # Once none waits, what counts is when the last rows finish; a row lags because it drafted
+    # worse, also longer ago than the window: its own counts are then its whole memory, at the
+    # first position too (with the window there, the controller took the rows that lagged at 256
+    # slots for average ones and drafted the last 30-40 steps of a job, at a loss).
+    alpha_f = adaptive.row_alpha(rate, trials, state.draft_conf, self.controller_limit(state),
+                                 state.row_hits, state.row_trials, state.prior_rate)
+    remaining = state.stop_len - state.length
     k = jnp.where(state.closed,
                   adaptive.choose_k_to_finish(
-                      state.cost, alpha, active, state.stop_len - state.length, margin, allowed,
-                      adaptive.row_sd(alpha, own_trials)),
+                      state.cost, alpha_f, active, remaining, margin, allowed,
+                      adaptive.finish_sd(alpha_f, state.row_trials, remaining)),
                   adaptive.choose_k(state.cost, adaptive.expected_emitted(alpha, active), margin,
                                     allowed))
     forced = jnp.max(jnp.where(allowed & (jnp.arange(self.kd + 1) <= state.k_force),

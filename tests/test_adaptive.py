@@ -120,8 +120,9 @@ def test_the_end_of_a_job_weighs_the_rows_uncertain_rates():
   assert abs(z[:, 0].std() - 1) < 0.05 and abs(np.corrcoef(z[:, 0], z[:, 1])[0, 1]) < 0.3
   # The uncertainty shrinks with the row's own trials, faster past the first position.
   sd = np.asarray(A.row_sd(jnp.full((1, 2), 0.5), jnp.asarray([[0.0, 0.0]])))
-  np.testing.assert_allclose(sd, [[np.sqrt(0.25 / (A.ROW_PRIOR_TRIALS + 1)),
-                                   np.sqrt(0.25 / (A.ROW_PRIOR_TRIALS_LATER + 1))]], rtol=1e-6)
+  phi = A.ROW_OVERDISPERSION
+  np.testing.assert_allclose(sd, [[np.sqrt(phi * 0.25 / A.ROW_PRIOR_TRIALS),
+                                   np.sqrt(phi * 0.25 / A.ROW_PRIOR_TRIALS_LATER)]], rtol=1e-6)
   # The mean over the draws of the last row's finish, against brute force.
   rng = np.random.default_rng(2)
   for _ in range(50):
@@ -136,6 +137,26 @@ def test_the_end_of_a_job_weighs_the_rows_uncertain_rates():
     got = int(A.choose_k_to_finish(jnp.asarray(cost), jnp.asarray(alpha), jnp.asarray(act),
                                    jnp.asarray(rem), sd_BK=jnp.asarray(sd)))
     assert np.isclose(t[got], min(t), rtol=1e-4), (t, got)
+
+
+def test_the_end_of_a_job_weighs_the_scatter_of_the_steps_left():
+  # What a row realises over h steps scatters around its rate by (overdispersed) binomial noise:
+  # the fewer steps left, the wider; with many left, the rate's own uncertainty alone.
+  alpha, trials = jnp.full((3, 1), 0.8), jnp.full((3, 1), 48.0)
+  sd = np.asarray(A.finish_sd(alpha, trials, jnp.asarray([1, 30, 100000])))[:, 0]
+  base = float(A.row_sd(alpha, trials)[0, 0])
+  h = 30 / 1.8
+  np.testing.assert_allclose(
+      sd[1], np.sqrt(base ** 2 + A.ROW_OVERDISPERSION * 0.16 / h), rtol=1e-5)
+  assert sd[0] > sd[1] > sd[2] and np.isclose(sd[2], base, rtol=1e-3)
+  # The demo model's rows accept ~0.78 of first drafts, and a step of one draft costs 1.4 plain
+  # steps at 256 slots: one row drafts, but the last of 256 rows with no counts of their own
+  # emits too little for a draft step to pay (whole mtp:1 runs: 99 steps against 127 plain).
+  cost = jnp.asarray([1.0, 1.4])
+  for b, want in ((1, 1), (256, 0)):
+    alpha, act, rem = jnp.full((b, 1), 0.78), jnp.ones((b,), bool), jnp.full((b,), 120)
+    sd = A.finish_sd(alpha, jnp.zeros((b, 1)), rem)
+    assert int(A.choose_k_to_finish(cost, alpha, act, rem, 0.02, sd_BK=sd)) == want
 
 
 def test_window_rates_are_conditional_per_position():

@@ -719,24 +719,24 @@ class Engine:
     # past it, the longer memory (row_hits / row_trials), since those positions get trials only
     # while the controller drafts that far: forgetting them after accept_window steps sent it
     # back to drafting that far every few segments, at the cost of a wasted segment each time.
-    own_hits = jnp.concatenate([hits_b[:, :1], state.row_hits[:, 1:]], 1)
-    own_trials = jnp.concatenate([trials_b[:, :1], state.row_trials[:, 1:]], 1)
+    # Once none waits, what counts is when the last rows finish, and a row lags because it
+    # drafted worse, also longer ago than the window: the memory then serves the first position
+    # too (with the window there, the controller took the rows that lagged at 256 slots for
+    # average ones and drafted the last 30-40 steps of a job, at a loss).
+    first_hits = jnp.where(state.closed, state.row_hits[:, :1], hits_b[:, :1])
+    first_trials = jnp.where(state.closed, state.row_trials[:, :1], trials_b[:, :1])
+    own_hits = jnp.concatenate([first_hits, state.row_hits[:, 1:]], 1)
+    own_trials = jnp.concatenate([first_trials, state.row_trials[:, 1:]], 1)
     # A row without a fresh draft is expected to accept nothing (controller_limit).
     alpha = adaptive.row_alpha(rate, trials, state.draft_conf, self.controller_limit(state),
                                own_hits, own_trials, state.prior_rate)
     active = ~state.done
     margin = self.cfg.adapt_margin
-    # Once none waits, what counts is when the last rows finish; a row lags because it drafted
-    # worse, also longer ago than the window: its own counts are then its whole memory, at the
-    # first position too (with the window there, the controller took the rows that lagged at 256
-    # slots for average ones and drafted the last 30-40 steps of a job, at a loss).
-    alpha_f = adaptive.row_alpha(rate, trials, state.draft_conf, self.controller_limit(state),
-                                 state.row_hits, state.row_trials, state.prior_rate)
     remaining = state.stop_len - state.length
     k = jnp.where(state.closed,
                   adaptive.choose_k_to_finish(
-                      state.cost, alpha_f, active, remaining, margin, allowed,
-                      adaptive.finish_sd(alpha_f, state.row_trials, remaining)),
+                      state.cost, alpha, active, remaining, margin, allowed,
+                      adaptive.finish_sd(alpha, own_trials, remaining)),
                   adaptive.choose_k(state.cost, adaptive.expected_emitted(alpha, active), margin,
                                     allowed))
     forced = jnp.max(jnp.where(allowed & (jnp.arange(self.kd + 1) <= state.k_force),

@@ -71,6 +71,9 @@ class Decoder:
     # Acceptance per draft position that earlier runs measured, greedy (False) and sampled
     # (True): the controller's prior.
     self._prior: dict[bool, list[float]] = {}
+    # First-position counts per output-position bucket over earlier runs, (trials, hits): the
+    # controller's profile (adaptive.run_profile).
+    self._profile: dict[bool, tuple[list[float], list[float]]] = {}
     self._rates_path: str | None = None      # where runs' acceptance is stored (calibrate)
     self._fingerprint: str | None = None
     self.last_timing: dict = {}
@@ -158,8 +161,13 @@ class Decoder:
       stored = adaptive.load_rates(self._rates_path, self._rates_key(sampled_run))
       if stored is not None and eng.kd > 0 and len(stored) == eng.kd and stored[0] >= 0:
         prior = [stored[0]] + [-1.0] * (eng.kd - 1)
+    profile = self._profile.get(sampled_run)
+    if eng.cfg.adaptive and profile is None and self._rates_path:
+      profile = adaptive.load_profile(self._rates_path, self._rates_key(sampled_run))
     if eng.cfg.adaptive and prior is not None:
       state = eng.put(state, prior_rate=prior)
+    if eng.cfg.adaptive and profile is not None:
+      state = eng.put(state, profile=adaptive.run_profile(*profile))
     base_key = jax.random.key(self.seed)
     drain = ring_lib.Drain()
     queue = list(range(len(requests)))[::-1]
@@ -273,11 +281,13 @@ class Decoder:
     self.last_stats = engine_lib.stats(state)
     if eng.cfg.adaptive:     # the acceptance this run saw: the next run's prior (adaptive k)
       st = self.last_stats
-      rates = adaptive.run_rates(st["cond_trials"], st["cond_hits"])
+      rates = adaptive.run_rates(st["cond_weight"], st["cond_hits"])
       prior = [r if r >= 0 else p for r, p in zip(rates, prior or rates)]
       self._prior[sampled_run] = prior
+      profile = adaptive.merge_profile_counts(profile, (st["pos_trials"], st["pos_hits"]))
+      self._profile[sampled_run] = profile
       if self._rates_path and max(rates, default=-1.0) >= 0:
-        adaptive.save_rates(self._rates_path, self._rates_key(sampled_run), prior)
+        adaptive.save_rates(self._rates_path, self._rates_key(sampled_run), prior, profile)
     self.last_timing = {"wall_s": time.perf_counter() - t_start, "wait_s": wait[0]}
     return results
 

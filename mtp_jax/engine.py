@@ -63,6 +63,10 @@ class DecodeState:
   cond_hits: jax.Array     # [Kd] and accepted there; an adaptive engine leaves each row's first
                            # adapt_warmup steps out: the run's conditional acceptance per
                            # position (adaptive.run_rates), the next run's prior
+  cond_weight: jax.Array   # [Kd] f32: cond_trials, each weighed by the profile's g at the row's
+                           # output position (cond_hits / cond_weight: the run's level)
+  pos_trials: jax.Array    # [N] int32: first-position cond_trials per output-position bucket
+  pos_hits: jax.Array      # [N] int32: and cond_hits (adaptive.run_profile)
   row_hits: jax.Array      # [B, Kd] f32: the row's drafts accepted per position, since its
                            # insert, decaying over adaptive.ROW_MEMORY_STEPS steps (adaptive
                            # engines only; zeros otherwise)
@@ -78,7 +82,9 @@ class DecodeState:
   seg_k: jax.Array         # [] k of the current segment (a call that begins inside a segment
                            # continues it)
   prior_rate: jax.Array    # [Kd] acceptance per draft position from earlier runs (-1: unknown;
-                           # the controller's prior before the ring has counts)
+                           # the controller's prior before the ring has counts), a level
+  profile: jax.Array       # [N] f32: g per output-position bucket, from earlier runs (all ones:
+                           # flat; see adaptive.PROFILE_TOKENS)
 
 
 @struct.dataclass
@@ -182,12 +188,16 @@ class Engine:
         row_steps=jnp.zeros((b,), jnp.int32), row_emitted=jnp.zeros((b,), jnp.int32),
         drafted=jnp.zeros((kd,), jnp.int32), accepted=jnp.zeros((kd,), jnp.int32),
         cond_trials=jnp.zeros((kd,), jnp.int32), cond_hits=jnp.zeros((kd,), jnp.int32),
+        cond_weight=jnp.zeros((kd,), jnp.float32),
+        pos_trials=jnp.zeros((adaptive.PROFILE_BUCKETS,), jnp.int32),
+        pos_hits=jnp.zeros((adaptive.PROFILE_BUCKETS,), jnp.int32),
         row_hits=jnp.zeros((b, kd), jnp.float32), row_trials=jnp.zeros((b, kd), jnp.float32),
         cost=jnp.asarray(self.cost if cost is None else cost, jnp.float32),
         k_force=jnp.asarray(-1, jnp.int32),
         closed=jnp.asarray(False), probe_gap=jnp.asarray(self.cfg.probe_every, jnp.int32),
         plain_segs=jnp.zeros((), jnp.int32), seg_k=jnp.zeros((), jnp.int32),
-        prior_rate=jnp.full((kd,), -1.0, jnp.float32))
+        prior_rate=jnp.full((kd,), -1.0, jnp.float32),
+        profile=jnp.ones((adaptive.PROFILE_BUCKETS,), jnp.float32))
 
   @staticmethod
   def put(state: DecodeState, **values) -> DecodeState:
@@ -670,15 +680,25 @@ class Engine:
     hit = reached & (n[:, None] > pos_k)
     cond_trials = state.cond_trials + jnp.sum(reached.astype(jnp.int32), 0)
     cond_hits = state.cond_hits + jnp.sum(hit.astype(jnp.int32), 0)
+    # Output position: trials weigh g there (a level), and the first position's counts go to
+    # its bucket (the next run's profile).
+    out_pos = state.length - state.prompt_len
+    g = adaptive.profile_weight(state.profile, out_pos)[:, None]                  # [B, 1]
+    cond_weight = state.cond_weight + jnp.sum(reached.astype(jnp.float32) * g, 0)
+    pos_trials, pos_hits = state.pos_trials, state.pos_hits
+    if self.kd:
+      bucket = adaptive.profile_bucket(out_pos)
+      pos_trials = pos_trials.at[bucket].add(reached[:, 0].astype(jnp.int32))
+      pos_hits = pos_hits.at[bucket].add(hit[:, 0].astype(jnp.int32))
     # The same per row, decaying: only the controller reads them, and a fixed-k engine carries
     # them unchanged.
     row_hits, row_trials = state.row_hits, state.row_trials
     if self.cfg.adaptive:
       decay = 1.0 - 1.0 / adaptive.ROW_MEMORY_STEPS
       row_hits = row_hits * decay + hit.astype(jnp.float32)
-      row_trials = row_trials * decay + reached.astype(jnp.float32)
+      row_trials = row_trials * decay + reached.astype(jnp.float32) * g
     ring = ring_lib.record(state.ring, state.step, out, n_emit, verified, jnp.where(active, n, 0),
-                           k, n_active, state.row_steps)
+                           k, n_active, state.row_steps, out_pos)
     return state.replace(
         tokens=tokens, length=new_length, done=done, drafts=new_drafts, draft_logq=logq,
         draft_conf=conf, n_fresh=jnp.full_like(state.n_fresh, made), cache=cache,
@@ -687,6 +707,7 @@ class Engine:
         row_steps=state.row_steps + active.astype(jnp.int32),
         row_emitted=state.row_emitted + n_emit, drafted=drafted,
         accepted=accepted, cond_trials=cond_trials, cond_hits=cond_hits,
+        cond_weight=cond_weight, pos_trials=pos_trials, pos_hits=pos_hits,
         row_hits=row_hits, row_trials=row_trials)
 
   def row_limit(self, state: DecodeState):
@@ -712,8 +733,11 @@ class Engine:
     (default self.ks); a forced k (k_force) becomes the largest of ks not above it."""
     ks = self.ks if ks is None else ks
     allowed = jnp.isin(jnp.arange(self.kd + 1), jnp.asarray(ks))
+    # Every count is a level (weighed by the profile where it was made); the estimate for the
+    # steps ahead is the level times g there: at the row's output position for the next step,
+    # the mean over its tokens still to come once none waits (adaptive.future_gain).
     hits_b, trials_b = adaptive.row_window(state.ring, state.step, self.cfg.accept_window,
-                                           self.kd, self.cfg.adapt_warmup)
+                                           self.kd, self.cfg.adapt_warmup, state.profile)
     rate, trials = adaptive.other_rows_rates(hits_b, trials_b)
     # A row's own counts: the window's at the first position, which every drafting step tries;
     # past it, the longer memory (row_hits / row_trials), since those positions get trials only
@@ -727,12 +751,16 @@ class Engine:
     first_trials = jnp.where(state.closed, state.row_trials[:, :1], trials_b[:, :1])
     own_hits = jnp.concatenate([first_hits, state.row_hits[:, 1:]], 1)
     own_trials = jnp.concatenate([first_trials, state.row_trials[:, 1:]], 1)
+    remaining = state.stop_len - state.length
+    out_pos = state.length - state.prompt_len
+    g_now = adaptive.profile_weight(state.profile, out_pos)
+    gain = jnp.where(state.closed, adaptive.future_gain(state.profile, out_pos, remaining), g_now)
     # A row without a fresh draft is expected to accept nothing (controller_limit).
-    alpha = adaptive.row_alpha(rate, trials, state.draft_conf, self.controller_limit(state),
-                               own_hits, own_trials, state.prior_rate)
+    alpha = adaptive.row_alpha(rate, trials, state.draft_conf / g_now[:, None],
+                               self.controller_limit(state), own_hits, own_trials,
+                               state.prior_rate, gain)
     active = ~state.done
     margin = self.cfg.adapt_margin
-    remaining = state.stop_len - state.length
     k = jnp.where(state.closed,
                   adaptive.choose_k_to_finish(
                       state.cost, alpha, active, remaining, margin, allowed,
@@ -927,4 +955,7 @@ def stats(state: DecodeState) -> dict:
       "drafted": drafted.tolist(), "accepted": accepted.tolist(),
       "cond_trials": np.asarray(state.cond_trials).tolist(),
       "cond_hits": np.asarray(state.cond_hits).tolist(),
+      "cond_weight": np.asarray(state.cond_weight).tolist(),
+      "pos_trials": np.asarray(state.pos_trials).tolist(),
+      "pos_hits": np.asarray(state.pos_hits).tolist(),
   }

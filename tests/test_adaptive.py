@@ -220,6 +220,98 @@ def test_the_controller_does_not_count_a_rows_warm_up():
   assert chosen == {0: 0, 8: 1}
 
 
+def test_the_profile_weighs_counts_by_output_position():
+  """g per bucket of PROFILE_TOKENS output tokens (the last open-ended); a row's mean g over the
+  tokens it has left; the window's trials weigh g where they were made."""
+  n, w = A.PROFILE_BUCKETS, A.PROFILE_TOKENS
+  profile = jnp.asarray(np.arange(1, n + 1, dtype=np.float32))          # g = bucket + 1
+  np.testing.assert_array_equal(np.asarray(A.profile_bucket(jnp.array([0, w - 1, w, 10 * n * w]))),
+                                [0, 0, 1, n - 1])
+  # Row 0: 8 tokens left from position w - 4, 4 in bucket 0 and 4 in bucket 1 -> (4 + 8) / 8.
+  # Row 1: 2w left from the last bucket's start: g there. Row 2: nothing left: g at its position.
+  gain = A.future_gain(profile, jnp.array([w - 4, (n - 1) * w, w]), jnp.array([8, 2 * w, 0]))
+  np.testing.assert_allclose(np.asarray(gain), [1.5, n, 2.0])
+  ring = ring_lib.init_ring(4, 2, 1)
+  z = jnp.zeros((2, 2), jnp.int32)
+  # Row 0 accepted at positions 0 and w (g 1 and 2); row 1 rejected at position 2w (g 3).
+  ring = ring_lib.record(ring, 0, z, jnp.array([2, 1]), jnp.array([1, 1]), jnp.array([1, 0]), 1,
+                         2, jnp.array([0, 0]), jnp.array([0, 2 * w]))
+  ring = ring_lib.record(ring, 1, z, jnp.array([2, 0]), jnp.array([1, 0]), jnp.array([1, 0]), 1,
+                         1, jnp.array([1, 0]), jnp.array([w, 0]))
+  h, t = A.row_window(ring, jnp.asarray(2), 16, 1, 0, profile)
+  np.testing.assert_allclose(np.asarray(h), [[2], [0]])
+  np.testing.assert_allclose(np.asarray(t), [[3], [3]])               # row 0: 1 + 2; row 1: 3
+  h, t = A.row_window(ring, jnp.asarray(2), 16, 1)                     # no profile: counts
+  np.testing.assert_allclose(np.asarray(t), [[2], [1]])
+
+
+def test_a_profile_is_learned_from_runs_counts():
+  """Each bucket's rate over the whole rate, pulled towards 1 where it has few trials, the
+  trials' mean g 1; flat without counts; stored counts are summed and capped."""
+  assert A.run_profile([0] * A.PROFILE_BUCKETS, [0] * A.PROFILE_BUCKETS) == \
+      [1.0] * A.PROFILE_BUCKETS
+  big = 1e6
+  t = [big] * A.PROFILE_BUCKETS
+  h = [0.5 * big] + [0.8 * big] * (A.PROFILE_BUCKETS - 1)
+  g = np.asarray(A.run_profile(t, h))
+  whole = np.sum(h) / np.sum(t)
+  np.testing.assert_allclose(g, np.asarray(h) / big / whole, rtol=1e-4)
+  assert np.mean(g) == pytest.approx(1.0)
+  # A bucket without trials gets the whole rate: g = 1 before the normalisation.
+  t2, h2 = list(t), list(h)
+  t2[-1] = h2[-1] = 0.0
+  g2 = np.asarray(A.run_profile(t2, h2))
+  assert g2[-1] == pytest.approx(g2[1] * (0.5 + 0.8 * 6) / 7 / 0.8, rel=1e-3)
+  assert np.sum(np.asarray(t2) * g2) == pytest.approx(np.sum(t2))
+  tm, hm = A.merge_profile_counts(([10.0] * A.PROFILE_BUCKETS, [5.0] * A.PROFILE_BUCKETS),
+                                  ([1] * A.PROFILE_BUCKETS, [1] * A.PROFILE_BUCKETS))
+  assert tm == [11.0] * A.PROFILE_BUCKETS and hm == [6.0] * A.PROFILE_BUCKETS
+  tm, hm = A.merge_profile_counts(None, ([A.PROFILE_KEEP] * A.PROFILE_BUCKETS,
+                                         [A.PROFILE_KEEP / 2] * A.PROFILE_BUCKETS))
+  assert sum(tm) == pytest.approx(A.PROFILE_KEEP) and hm[0] == pytest.approx(tm[0] / 2)
+
+
+def test_a_closed_batch_expects_the_acceptance_its_rows_have_ahead():
+  """16 rows 12 tokens into their output, their first drafts accepted 0.65 of the time so far
+  (what a closed batch of 16 read on the demo model), 100 tokens left, earlier runs' rate 0.78;
+  a step of one draft costs 1.42 plain steps. With a flat profile the controller expects about
+  0.65 for the rest and decodes plainly; with the demo model's profile (a
+  request's first 16 tokens accept 0.8 of its whole rate, later ones up to 1.1) it expects the
+  rows to accept more from here on and drafts (whole runs: 84 steps of one draft against 127
+  plain)."""
+  cfg = tiny_config()
+  b = 16
+  eng = E.Engine(cfg.model, cfg.heads, DecodeConfig(batch_size=b, k=-1, adaptive=True,
+                                                    max_len=cfg.model.max_seq_len,
+                                                    adapt_warmup=0), 0)
+  kd = eng.kd
+  st = eng._init_state_unplaced(cost=[1.0, 1.42] + [1.42 + k for k in range(1, kd)])
+  ring = st.ring
+  z = jnp.zeros((b, kd + 1), jnp.int32)
+  for s in range(12):
+    acc = jnp.asarray((np.arange(b) + 7 * s) % 20 < 13, jnp.int32)       # 13 in 20 accepted
+    ring = ring_lib.record(ring, s, z, 1 + acc, jnp.ones((b,), jnp.int32), acc, 1, b,
+                           jnp.full((b,), s), jnp.full((b,), s))
+  row_hits = np.asarray(ring.accepted).sum(0).astype(np.float32)
+  assert 0.6 < row_hits.sum() / (12 * b) < 0.7
+  # The rows' own memory holds the same counts (at g = 0.8 in the demo profile's first bucket).
+  own = np.zeros((b, kd), np.float32)
+  st = st.replace(ring=ring, step=jnp.asarray(12), row_steps=jnp.full((b,), 12),
+                  done=jnp.zeros((b,), bool), prompt_len=jnp.full((b,), 4),
+                  length=jnp.full((b,), 16), stop_len=jnp.full((b,), 116),
+                  n_fresh=jnp.full((b,), kd), draft_conf=jnp.full((b, kd), 0.5),
+                  row_hits=jnp.asarray(own).at[:, 0].set(row_hits),
+                  prior_rate=jnp.asarray([0.78] + [-1.0] * (kd - 1)), closed=jnp.asarray(True))
+  chosen = {}
+  for name, profile in (("flat", [1.0] * 8), ("demo", [0.8, 0.95, 1.0, 1.0, 1.02, 1.05, 1.09,
+                                                      1.08])):
+    g = profile[0]
+    chosen[name] = int(eng.choose_k(st.replace(profile=jnp.asarray(profile, jnp.float32),
+                                               row_trials=jnp.asarray(own).at[:, 0].set(12 * g)),
+                                    (0, 1)))
+  assert chosen == {"flat": 0, "demo": 1}
+
+
 def test_cost_table_round_trip(tmp_path):
   path = str(tmp_path / "c.json")
   assert A.load_table(path, "x") is None
@@ -516,7 +608,9 @@ def test_rows_own_counts_remember_past_the_window(trained_tiny):
   row's insert (what the controller weighs a row's later positions by) follow the ring's record
   of every step past the row's warm-up, across calls longer than the window; an insert starts
   a row's counts afresh. The run's conditional counters (the next run's prior) are the same
-  counts, summed over rows and not decayed."""
+  counts, summed over rows and not decayed. With a profile, each trial weighs g at the row's
+  output position (the ring records that position), and the first position's counts go to that
+  position's bucket."""
   _, workdir, _ = trained_tiny
   mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
   warmup = 3
@@ -526,11 +620,15 @@ def test_rows_own_counts_remember_past_the_window(trained_tiny):
   prompts = [tok.encode("def f(x):\n    return x"), tok.encode("import os\n")]
   prefix = eng.prefill(params, prompts, jax.random.key(0), [0.0] * b, [0] * b, [1.0] * b)
   state = eng.insert(prefix, eng.init_state(), [0, 1], 60, 0.0, 0, 1.0)
+  profile = np.linspace(0.5, 1.5, A.PROFILE_BUCKETS).astype(np.float32)
+  state = eng.put(state, profile=profile)
   hits, trials = np.zeros((b, kd)), np.zeros((b, kd))
-  run_hits, run_trials = np.zeros(kd), np.zeros(kd)
+  run_hits, run_trials, run_weight = np.zeros(kd), np.zeros(kd), np.zeros(kd)
+  pos_hits, pos_trials = np.zeros(A.PROFILE_BUCKETS), np.zeros(A.PROFILE_BUCKETS)
   decay = 1.0 - 1.0 / A.ROW_MEMORY_STEPS
   pos = np.arange(kd)
   age = np.zeros(b, int)                    # each row's steps since its insert
+  out = np.ones(b, int)                     # each row's output tokens (the prefill's first)
   for k in (kd, 1, kd, kd):
     s0 = int(state.step)
     state = eng.generate(params, state.replace(k_force=jnp.asarray(k, jnp.int32)), 8,
@@ -539,17 +637,29 @@ def test_rows_own_counts_remember_past_the_window(trained_tiny):
     for s in range(s0, int(state.step)):
       v, a = np.asarray(ring.verified[s % 8]), np.asarray(ring.accepted[s % 8])
       np.testing.assert_array_equal(np.asarray(ring.row_step[s % 8]), age)
+      np.testing.assert_array_equal(np.asarray(ring.row_pos[s % 8]), out)
       reached = (pos[None] < v[:, None]) & (a[:, None] >= pos[None]) & (age >= warmup)[:, None]
+      hit = reached & (a[:, None] > pos[None])
+      bucket = np.minimum(out // A.PROFILE_TOKENS, A.PROFILE_BUCKETS - 1)
+      g = profile[bucket][:, None]
       age = age + (np.asarray(ring.emitted[s % 8]) > 0)
-      hits = hits * decay + (reached & (a[:, None] > pos[None]))
-      trials = trials * decay + reached
-      run_hits += (reached & (a[:, None] > pos[None])).sum(0)
+      out = out + np.asarray(ring.emitted[s % 8])
+      hits = hits * decay + hit
+      trials = trials * decay + reached * g
+      run_hits += hit.sum(0)
       run_trials += reached.sum(0)
+      run_weight += (reached * g).sum(0)
+      np.add.at(pos_trials, bucket, reached[:, 0])
+      np.add.at(pos_hits, bucket, hit[:, 0])
   assert trials[:, 1:].sum() > 0 and hits[:, 1:].sum() > 0
+  assert np.count_nonzero(pos_trials) >= 3          # the rows' trials span several buckets
   np.testing.assert_allclose(np.asarray(state.row_trials), trials, rtol=1e-5)
   np.testing.assert_allclose(np.asarray(state.row_hits), hits, rtol=1e-5)
   np.testing.assert_array_equal(np.asarray(state.cond_trials), run_trials)
   np.testing.assert_array_equal(np.asarray(state.cond_hits), run_hits)
+  np.testing.assert_allclose(np.asarray(state.cond_weight), run_weight, rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(state.pos_trials), pos_trials)
+  np.testing.assert_array_equal(np.asarray(state.pos_hits), pos_hits)
   # k changed between calls, so a later position was verified in fewer steps than the one
   # before it was reached: its conditional rate is not accepted / drafted there.
   st = E.stats(state)
@@ -604,7 +714,7 @@ def test_a_later_process_starts_from_the_acceptance_a_run_stored(trained_tiny, t
 
     def spy(params_, state, *a, **kw):
       if not starts:
-        starts.append(np.asarray(state.prior_rate))
+        starts.extend([np.asarray(state.prior_rate), np.asarray(state.profile)])
       return generate(params_, state, *a, **kw)
     dec.engine.generate = spy
     return dec, starts
@@ -617,13 +727,18 @@ def test_a_later_process_starts_from_the_acceptance_a_run_stored(trained_tiny, t
   stored = A.load_rates(path, A.rates_key(dec.engine, A.params_fingerprint(params), False))
   assert stored is not None
   assert stored[0] >= 0
-  assert stored == pytest.approx(A.run_rates(st["cond_trials"], st["cond_hits"]), abs=1e-4)
+  assert stored == pytest.approx(A.run_rates(st["cond_weight"], st["cond_hits"]), abs=1e-4)
+  # ... and its first-position counts per output-position bucket: the next process's profile.
+  profile = A.load_profile(path, A.rates_key(dec.engine, A.params_fingerprint(params), False))
+  np.testing.assert_allclose(profile, [st["pos_trials"], st["pos_hits"]])
+  assert np.all(starts[1] == 1.0)                                         # flat
   assert A.load_rates(path, A.rates_key(dec.engine, A.params_fingerprint(params), True)) is None
 
   dec2, starts2 = decoder()
   dec2.run(reqs)
   np.testing.assert_allclose(starts2[0], [stored[0]] + [-1.0] * (dec2.engine.kd - 1),
                              atol=1e-6)
+  np.testing.assert_allclose(starts2[1], A.run_profile(*profile), rtol=1e-6)
 
   other = jax.tree.map(lambda x: x * 1.01 if jnp.issubdtype(x.dtype, jnp.floating) else x,
                        params)

@@ -63,7 +63,7 @@ class DecodeState:
   cond_hits: jax.Array     # [Kd] and accepted there; an adaptive engine leaves each row's first
                            # adapt_warmup steps out: the run's conditional acceptance per
                            # position (adaptive.run_rates), the next run's prior
-  cond_weight: jax.Array   # [Kd] f32: cond_trials, each weighed by the profile's g at the row's
+  cond_weight: jax.Array   # [Kd] f32 (adaptive engines): cond_trials, each weighed by the profile's g at the row's
                            # output position (cond_hits / cond_weight: the run's level)
   pos_trials: jax.Array    # [N] int32: first-position cond_trials per output-position bucket
   pos_hits: jax.Array      # [N] int32: and cond_hits (adaptive.run_profile)
@@ -681,19 +681,18 @@ class Engine:
     cond_trials = state.cond_trials + jnp.sum(reached.astype(jnp.int32), 0)
     cond_hits = state.cond_hits + jnp.sum(hit.astype(jnp.int32), 0)
     # Output position: trials weigh g there (a level), and the first position's counts go to
-    # its bucket (the next run's profile).
+    # its bucket (the next run's profile). The same per row, decaying. Only the controller and
+    # the next run's prior read them: a fixed-k engine carries them unchanged.
     out_pos = state.length - state.prompt_len
-    g = adaptive.profile_weight(state.profile, out_pos)[:, None]                  # [B, 1]
-    cond_weight = state.cond_weight + jnp.sum(reached.astype(jnp.float32) * g, 0)
-    pos_trials, pos_hits = state.pos_trials, state.pos_hits
-    if self.kd:
-      bucket = adaptive.profile_bucket(out_pos)
-      pos_trials = pos_trials.at[bucket].add(reached[:, 0].astype(jnp.int32))
-      pos_hits = pos_hits.at[bucket].add(hit[:, 0].astype(jnp.int32))
-    # The same per row, decaying: only the controller reads them, and a fixed-k engine carries
-    # them unchanged.
+    cond_weight, pos_trials, pos_hits = state.cond_weight, state.pos_trials, state.pos_hits
     row_hits, row_trials = state.row_hits, state.row_trials
     if self.cfg.adaptive:
+      g = adaptive.profile_weight(state.profile, out_pos)[:, None]                # [B, 1]
+      cond_weight = cond_weight + jnp.sum(reached.astype(jnp.float32) * g, 0)
+      if self.kd:
+        bucket = adaptive.profile_bucket(out_pos)
+        pos_trials = pos_trials.at[bucket].add(reached[:, 0].astype(jnp.int32))
+        pos_hits = pos_hits.at[bucket].add(hit[:, 0].astype(jnp.int32))
       decay = 1.0 - 1.0 / adaptive.ROW_MEMORY_STEPS
       row_hits = row_hits * decay + hit.astype(jnp.float32)
       row_trials = row_trials * decay + reached.astype(jnp.float32) * g

@@ -9,7 +9,9 @@ compiled engine (compile time reported apart), warmed up before timing; timed ru
 are interleaved repeat by repeat, so that a noisy machine slows all of them alike, in reversed
 order every other repeat, so that no mode always runs first or right after another. A row is the
 mode's repeat of median throughput; its speedup is the median over repeats of the throughput ratio
-to the vanilla run of the same repeat (interquartile range in brackets in the table).
+to vanilla's throughput at the moment the run ran, interpolated between the vanilla runs before
+and after it (interquartile range in brackets in the table): the alternating order puts every run
+between two vanilla runs, so a machine whose speed drifts steadily cancels out.
 
 Latency: a request's time to first token (TTFT) is from the start of the run to the moment the
 host holds its first token; its time per output token (TPOT) is (finish - first token) / (tokens
@@ -264,9 +266,10 @@ class Result:
   bound: str | None = None
   fits_in_cache: bool | None = None  # CPU: the step's bytes fit the last-level cache, so DRAM
                                      # bandwidth is not its roof (roofline_fraction may exceed 1)
-  speedup: float = 1.0            # median over repeats of the ratio to vanilla's paired run
+  speedup: float = 1.0            # median over repeats of the ratio to vanilla at the same time
   speedup_q25: float = 1.0
   speedup_q75: float = 1.0
+  at_s: float = 0.0               # the middle of the run, seconds from the batch's first timed run
 
 
 def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: int,
@@ -314,6 +317,7 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
         dec.run(reqs[:b])                                 # host-side helpers warmed too
       decoders[mode] = dec
     runs = {m: [] for m in modes}
+    t_first = time.perf_counter()
     for rep in range(repeats):
       for mode in (modes if rep % 2 == 0 else modes[::-1]):
         dec = decoders[mode]
@@ -332,7 +336,8 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
             st["steps"], float(np.percentile(ttft, 50)), float(np.percentile(ttft, 99)),
             float(np.percentile(tpot, 50)), float(np.percentile(tpot, 99)),
             (tm["wall_s"] - tm["wait_s"]) / max(st["steps"], 1) * 1e6, compile_s[mode],
-            engine_lib.tree_bytes(dec.params) + state_bytes, stats.get("peak_bytes_in_use")))
+            engine_lib.tree_bytes(dec.params) + state_bytes, stats.get("peak_bytes_in_use"),
+            at_s=t0 + dt / 2 - t_first))
     for mode in modes:
       r = summarize(runs[mode], runs.get("vanilla"))
       _roofline(r, decoders[mode], mcfg, hcfg, params, draft, machine)
@@ -343,13 +348,22 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
 
 def summarize(runs: list[Result], base: list[Result] | None) -> Result:
   """One row from a mode's timed repeats: the repeat of median throughput (its latencies and
-  counts with it), and the speedup as the median over repeats of the throughput ratio to the
-  vanilla run of the same repeat (run just before or after it), with its interquartile range.
-  Paired ratios follow a machine whose speed drifts between repeats; a ratio of the best runs
-  compares two lucky moments."""
+  counts with it), and the speedup as the median over repeats of the ratio of a run's
+  throughput to vanilla's at the same moment (at_s), with its interquartile range. Vanilla's is
+  interpolated linearly in time between the vanilla runs before and after the run (the nearest
+  one past either end); runs without times (at_s all equal) pair with the vanilla run of the
+  same repeat. Ratios to the moment follow a machine whose speed drifts between repeats: in the
+  alternating order a mode runs up to len(modes) - 1 runs away from the same repeat's vanilla
+  run, but always between two vanilla runs. A ratio of the best runs compares two lucky
+  moments."""
   r = dataclasses.replace(sorted(runs, key=lambda x: x.tokens_per_s)[(len(runs) - 1) // 2])
   if base:
-    ratios = np.array([x.tokens_per_s / v.tokens_per_s for x, v in zip(runs, base)])
+    at = np.array([v.at_s for v in base])
+    if len(base) > 1 and np.all(np.diff(at) > 0):
+      tps = np.array([v.tokens_per_s for v in base])
+      ratios = np.array([x.tokens_per_s / np.interp(x.at_s, at, tps) for x in runs])
+    else:
+      ratios = np.array([x.tokens_per_s / v.tokens_per_s for x, v in zip(runs, base)])
     r.speedup = float(np.median(ratios))
     r.speedup_q25, r.speedup_q75 = (float(q) for q in np.quantile(ratios, [0.25, 0.75]))
   return r

@@ -82,3 +82,18 @@ def test_speedup_is_the_median_of_paired_ratios():
   assert "| 66.0 | 1.10 (1.00-1.10) |" in benchmark.format_row(r)
   v = benchmark.summarize(van, van)
   assert v.speedup == 1.0 and "| 80.0 | 1.00 |" in benchmark.format_row(v)
+
+
+def test_speedup_compares_each_run_with_vanilla_at_the_same_moment():
+  def res(mode, tps, at):
+    return benchmark.Result(mode, 4, tps, 1.0, [], 100, 100 / tps, 10, 1.0, 1.0, 1.0, 1.0, 1.0,
+                            1.0, 1, None, at_s=at)
+  # Three modes in the alternating order V a A | A a V | V a A | A a V, one run a second: the
+  # machine slows steadily (vanilla 120 -> 54 tokens/s); every run of A is 1.1x vanilla at its
+  # moment, which pairing it with its repeat's vanilla run (two runs away) puts at 0.94-1.34.
+  speed = lambda t: 120.0 - 6.0 * t
+  van = [res("vanilla", speed(t), t) for t in (0.0, 5.0, 6.0, 11.0)]
+  ad = [res("adaptive", 1.1 * speed(t), t) for t in (2.0, 3.0, 8.0, 9.0)]
+  r = benchmark.summarize(ad, van)
+  assert abs(r.speedup - 1.1) < 1e-9 and abs(r.speedup_q25 - 1.1) < 1e-9
+  assert benchmark.summarize(van, van).speedup == 1.0

@@ -396,8 +396,7 @@ class Engine:
       logq = sampling.process_logits(logits_BV, *sp, presence_BV)
       d = sampling.sample(subs[:, i], logq)
       return d, logq, jnp.exp(jnp.max(logq, -1)), presence_BV.at[jnp.arange(b), d].set(True)
-    conf = (jnp.max(jax.nn.softmax(logits_BV.astype(jnp.float32), -1), -1) if want_conf
-            else jnp.zeros((b,), jnp.float32))
+    conf = peak_prob(logits_BV) if want_conf else jnp.zeros((b,), jnp.float32)
     return (jnp.argmax(logits_BV, -1).astype(jnp.int32), jnp.zeros((b, v), jnp.float32), conf,
             presence_BV)
 
@@ -437,7 +436,7 @@ class Engine:
     if n == 0:
       return (jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, v), jnp.float32),
               jnp.zeros((b, 0), jnp.float32))
-    hh = m.head_hidden(h_BD[:, None])[:, 0, :n]                         # [B, n, D]
+    hh = m.head_hidden(h_BD[:, None], n=n)[:, 0]                        # [B, n, D]
     logits = m.logits(hh)                                               # [B, n, V]
     if not sample:
       # Confidences feed only the controller and the threshold: the softmax is skipped where
@@ -445,8 +444,7 @@ class Engine:
       c = self._conf_cols(n, want_conf)
       conf_BN = jnp.zeros((b, n), jnp.float32)
       if c:
-        conf_BN = conf_BN.at[:, :c].set(
-            jnp.max(jax.nn.softmax(logits[:, :c].astype(jnp.float32), -1), -1))
+        conf_BN = conf_BN.at[:, :c].set(peak_prob(logits[:, :c]))
       return (jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((b, n, v), jnp.float32),
               conf_BN)
     drafts, logqs = [], []
@@ -913,6 +911,13 @@ class Engine:
       sample = needs_sampling(np.asarray(state.temperature), np.asarray(state.penalty))
     return self._generate(params, state, jnp.asarray(num_steps, jnp.int32),
                           jnp.asarray(refill, jnp.int32), sample=sample, ks=self.ks)
+
+
+def peak_prob(logits_XV):
+  """The largest probability of softmax(logits) over the last axis, 1 / sum(exp(l - max l)):
+  one pass of exp, no normalised distribution."""
+  x = logits_XV.astype(jnp.float32)
+  return 1.0 / jnp.sum(jnp.exp(x - jnp.max(x, -1, keepdims=True)), -1)
 
 
 def tree_bytes(tree) -> int:

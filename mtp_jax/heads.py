@@ -41,13 +41,17 @@ class ParallelHeads(nnx.Module):
       self.wx_KLDE = nnx.Param(jnp.zeros((k, self.extra, d, d), pd))
       self.bx_KLE = nnx.Param(jnp.zeros((k, self.extra, d), pd))
 
-  def __call__(self, h_BTD):
+  def __call__(self, h_BTD, n: int | None = None):
+    """-> [B, T, n, D]: the first n heads (default all; a decode step that drafts fewer than
+    K tokens computes only those)."""
     dt = h_BTD.dtype
-    z = jnp.einsum("BTD,KDE->BTKE", h_BTD, self.w_KDE[...].astype(dt)) + self.b_KE[...].astype(dt)
+    n = self.w_KDE.shape[0] if n is None else n
+    z = (jnp.einsum("BTD,KDE->BTKE", h_BTD, self.w_KDE[:n].astype(dt))
+         + self.b_KE[:n].astype(dt))
     x = h_BTD[:, :, None, :] + jax.nn.silu(z)
     for l in range(self.extra):
-      z = (jnp.einsum("BTKD,KDE->BTKE", x, self.wx_KLDE[:, l].astype(dt))
-           + self.bx_KLE[:, l].astype(dt))
+      z = (jnp.einsum("BTKD,KDE->BTKE", x, self.wx_KLDE[:n, l].astype(dt))
+           + self.bx_KLE[:n, l].astype(dt))
       x = x + jax.nn.silu(z)
     return x
 

@@ -233,13 +233,13 @@ class MTPModel(nnx.Module):
   def logits(self, h_xD):
     return self.trunk.unembed(h_xD)
 
-  def head_hidden(self, h_BTD, tokens_BW=None):
-    """Hidden states of all K heads, [B, T, K, D]. Sequential heads also read the tokens:
-    tokens_BW[:, t + i] is module i's input at position t (W >= T + 1; missing ones are
-    padded, so mask targets past the window)."""
+  def head_hidden(self, h_BTD, tokens_BW=None, n: int | None = None):
+    """Hidden states of the first n heads (default all K), [B, T, n, D]. Sequential heads also
+    read the tokens: tokens_BW[:, t + i] is module i's input at position t (W >= T + 1;
+    missing ones are padded, so mask targets past the window)."""
     if self.heads_cfg.kind == "sequential":
-      return self.heads(h_BTD, tokens_BW, self.trunk.embed)
-    return self.heads(h_BTD)
+      return self.heads(h_BTD, tokens_BW, self.trunk.embed)[:, :, :n]
+    return self.heads(h_BTD, n)
 
   def head_logits(self, h_BTD, tokens_BW=None):
     """Logits of all K heads, [B, T, K, V]: one unembedding matmul for all heads."""

@@ -63,8 +63,9 @@ class DecodeState:
   cond_hits: jax.Array     # [Kd] and accepted there; an adaptive engine leaves each row's first
                            # adapt_warmup steps out: the run's conditional acceptance per
                            # position (adaptive.run_rates), the next run's prior
-  cond_weight: jax.Array   # [Kd] f32 (adaptive engines): cond_trials, each weighed by the profile's g at the row's
-                           # output position (cond_hits / cond_weight: the run's level)
+  cond_weight: jax.Array   # [Kd] f32 (adaptive engines): cond_trials, each weighed by the
+                           # profile's g at the row's output position (cond_hits / cond_weight:
+                           # the run's level)
   pos_trials: jax.Array    # [N] int32: first-position cond_trials per output-position bucket
   pos_hits: jax.Array      # [N] int32: and cond_hits (adaptive.run_profile)
   row_hits: jax.Array      # [B, Kd] f32: the row's drafts accepted per position, since its

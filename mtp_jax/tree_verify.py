@@ -1,0 +1,219 @@
+"""Verifying a token tree in one step, and committing the accepted path's K/V.
+
+The step's inputs are the root (the last committed token, at position length-1) and the tree's T
+nodes (node i at position length-1+depth[i], its K/V written at the tree slot length+i). The
+trunk's distributions come at the T+1 inputs: position 0 is the root's, position i+1 node i's, and
+the distribution at a position is the one for that input's children.
+
+Greedy: keep the deepest node whose path agrees with the trunk's argmax at every parent, then the
+trunk's argmax there: exactly the tokens plain greedy decoding emits.
+
+Sampling: recursive rejection (SpecInfer, Miao et al. 2024; EAGLE). From the root, with p the
+trunk's distribution at the current node, try its children in rank order: child x_r is proposed
+from a distribution q_r and accepted with probability min(1, p(x_r) / q_r(x_r)); on acceptance go
+down to x_r (p becomes the trunk's distribution there); on rejection p <- norm(max(0, p - q_r))
+and try the next child; when no child is left (or the node is a leaf), draw the bonus token from
+the current p. Each try is the rejection step of Leviathan et al.: if x ~ q_r, the try emits x with
+probability min(p, q_r)(x) and otherwise hands over to norm(max(0, p - q_r)), so "try, then sample
+from the residual" samples p exactly. Replacing the residual draw by another try on the residual
+keeps this, by induction over the children, as long as each child is really drawn from its q_r
+given what came before and independently of the acceptance coins. So what q_r is depends on how
+the drafts were made, and a wrong q breaks losslessness:
+
+  'topk' (deterministic drafts: the heads' top-k tokens): x_r is fixed, so q_r is the point mass
+      on x_r: accept with probability p(x_r), on rejection remove x_r from p and renormalise. This
+      is EAGLE's rule (evaluate_posterior: qx = 1, gtp[xi] = 0, renormalise) and SGLang's
+      target-only tree sampling (one coin per depth against the running sum of the children's p:
+      the same law). It holds for any drafts chosen independently of the coins, duplicates
+      included (a repeated token has p = 0 once removed). Using the head's own probabilities as q
+      for top-k drafts is NOT lossless: a top-1 draft with q(x) = p(x) = 0.5 would always be
+      accepted.
+  'sampled' (each parent's children drawn without replacement from the head's processed q, in
+      rank order: `draw_candidates`, Gumbel top-k): q_r is q with the earlier siblings' tokens
+      removed and renormalised (recursive rejection sampling without replacement, Jeon et al.
+      2024). When q has no mass left the later "draws" are arbitrary tokens and use the point
+      mass, as in 'topk'. Medusa-style heads draw once per depth and every parent at that depth
+      shares the draws: still a fresh draw for whichever parent the walk reaches.
+Greedy rows in a sampling batch have one-hot p and reduce to the greedy rule under both modes.
+
+Committing: the accepted nodes' K/V sit at tree slots length+path[d]; `commit_path` moves them to
+length+d (a gather of at most D entries per row and cache array), so the row's cache holds the
+accepted tokens at their positions; entries past the new length are never read.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from mtp_jax.sampling import NEG_INF, row_keys
+from mtp_jax.shapes import Tree
+
+MODES = ("topk", "sampled")
+
+
+class Verdict(NamedTuple):
+  """Per row: n drafts accepted, their node indices (-1 past n), the emitted tokens (the first
+  n are the accepted drafts, token n is the trunk's bonus), and the input position (0 = root,
+  i+1 = node i) of the last accepted token, whose hidden state drafts the next step."""
+  accepted_B: jax.Array      # [B] int32
+  path_BD: jax.Array         # [B, D] int32
+  tokens_BD: jax.Array       # [B, D+1] int32
+  last_B: jax.Array          # [B] int32
+
+  @property
+  def bonus_B(self):
+    return jnp.take_along_axis(self.tokens_BD, self.accepted_B[:, None], 1)[:, 0]
+
+
+# ---------------------------------------------------------------- drafting the tree's tokens
+
+
+def topk_candidates(head_logits_BKV, top_k: int):
+  """[B, K, top_k] each head's best tokens, best first (deterministic drafts, mode 'topk')."""
+  return jax.lax.top_k(head_logits_BKV, top_k)[1].astype(jnp.int32)
+
+
+def draw_candidates(key, head_logq_BKV, top_k: int):
+  """[B, K, top_k] tokens drawn without replacement from each head's processed q, in draw order
+  (Gumbel top-k; mode 'sampled'). `key` is one key or one per row."""
+  b = head_logq_BKV.shape[0]
+  gumbel = jax.vmap(lambda k: jax.random.gumbel(k, head_logq_BKV.shape[1:]))(row_keys(key, b))
+  return jax.lax.top_k(head_logq_BKV + gumbel, top_k)[1].astype(jnp.int32)
+
+
+def node_tokens(tree: Tree, candidates_BKR):
+  """[B, T] the tree's tokens: node i takes rank rank[i] of head head[i]."""
+  return candidates_BKR[:, tree.head, tree.rank]
+
+
+def parent_q(tree: Tree, head_logq_BKV):
+  """[B, T+1, V] per input position, the head distribution its children were drawn from (parallel
+  heads: head d for every node at depth d-1; the root's children come from head 1)."""
+  depth_P = tree.offsets_P
+  return head_logq_BKV[:, jnp.minimum(depth_P, head_logq_BKV.shape[1] - 1)]
+
+
+def step_inputs(tree: Tree, last_token_B, nodes_BT, length_B):
+  """-> (tokens [B, T+1], positions [B, T+1]) of the verify step: the root at length-1, each
+  node at length-1+depth. Its K/V go to slots length-1 .. length-1+T."""
+  tokens = jnp.concatenate([last_token_B[:, None], nodes_BT], 1).astype(jnp.int32)
+  return tokens, (length_B[:, None] - 1 + tree.offsets_P[None]).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------- verification
+
+
+def _emitted(nodes_BT, path_BD, n_B, bonus_B):
+  d = path_BD.shape[1]
+  drafts = jnp.take_along_axis(nodes_BT, jnp.maximum(path_BD, 0), 1)
+  tokens = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], 1)
+  return jnp.where(jnp.arange(d + 1)[None] == n_B[:, None], bonus_B[:, None], tokens)
+
+
+def verify_greedy(tree: Tree, nodes_BT, logits_BPV) -> Verdict:
+  """The longest path whose every token is the trunk's argmax at its parent, then the argmax at
+  its end. logits_BPV: the trunk's logits at the root and every node [B, T+1, V]."""
+  target_BP = jnp.argmax(logits_BPV, -1).astype(jnp.int32)
+  match_BT = nodes_BT == target_BP[:, tree.parent + 1]
+  ok_BT = ~jnp.any(tree.mask_TT[None] & ~match_BT[:, None, :], -1)   # every ancestor matches
+  t = tree.size
+  score_BT = jnp.where(ok_BT, tree.depth * (t + 1) + (t - jnp.arange(t)), 0)
+  best_B = jnp.argmax(score_BT, -1)
+  hit_B = jnp.any(ok_BT, -1)
+  n_B = jnp.where(hit_B, jnp.asarray(tree.depth)[best_B], 0).astype(jnp.int32)
+  path_BD = jnp.where(hit_B[:, None], jnp.asarray(tree.paths_TD)[best_B], -1)
+  last_B = jnp.where(hit_B, best_B + 1, 0).astype(jnp.int32)
+  bonus_B = jnp.take_along_axis(target_BP, last_B[:, None], 1)[:, 0]
+  return Verdict(n_B, path_BD, _emitted(nodes_BT, path_BD, n_B, bonus_B), last_B)
+
+
+def _normalized(x_BV, fallback_BV):
+  mass = jnp.sum(x_BV, -1, keepdims=True)
+  return jnp.where(mass > 0, x_BV / jnp.maximum(mass, 1e-30), fallback_BV)
+
+
+def verify_sampling(key, tree: Tree, nodes_BT, logp_BPV, logq_BPV=None,
+                    mode: str = "topk") -> Verdict:
+  """Lossless recursive rejection over the tree (see the module docstring for the modes).
+
+  logp_BPV: the trunk's processed log-probabilities at the root and every node [B, T+1, V];
+  logq_BPV ('sampled' only): per input position the processed log q its children were drawn
+  from (`parent_q` for parallel heads). `key` is one key or one per row.
+  """
+  if mode not in MODES:
+    raise ValueError(f"mode={mode!r}: must be one of {MODES}")
+  if mode == "sampled" and logq_BPV is None:
+    raise ValueError("mode 'sampled' needs logq_BPV, the distributions the drafts were drawn from")
+  b, t = nodes_BT.shape
+  v = logp_BPV.shape[-1]
+  d_max, r_max = tree.max_depth, tree.children_PR.shape[1]
+  children_PR = jnp.asarray(tree.children_PR)
+  keys = jax.vmap(lambda k: jax.random.split(k, 2))(row_keys(key, b))
+  u_BDR = jax.vmap(lambda k: jax.random.uniform(k, (d_max, r_max)))(keys[:, 0])
+  p_all = jnp.exp(logp_BPV.astype(jnp.float32))
+  q_all = None if mode == "topk" else jnp.exp(logq_BPV.astype(jnp.float32))
+  rows = jnp.arange(b)
+  vocab = jnp.arange(v)
+
+  def try_child(d, pos_B, live_B):
+    def body(r, carry):
+      p, q_left, taken, chosen = carry
+      child = children_PR[pos_B, r]
+      trying = live_B & ~taken & (child >= 0)
+      x = nodes_BT[rows, jnp.maximum(child, 0)]
+      is_x = vocab[None] == x[:, None]
+      q_r = is_x.astype(jnp.float32)                       # point mass ('topk')
+      if q_left is not None:                               # 'sampled': q less the tried tokens
+        q_r = _normalized(q_left, q_r)
+        q_left = jnp.where(trying[:, None] & is_x, 0.0, q_left)
+      px, qx = p[rows, x], q_r[rows, x]
+      accept = trying & (u_BDR[:, d, r] * qx < px)
+      reject = trying & ~accept
+      p = jnp.where(reject[:, None], _normalized(jnp.maximum(p - q_r, 0.0), p), p)
+      return p, q_left, taken | accept, jnp.where(accept, child, chosen)
+    return body
+
+  def depth_body(d, carry):
+    pos_B, p, live_B, n_B, path_BD = carry
+    q0 = None if q_all is None else q_all[rows, pos_B]
+    init = (p, q0, jnp.zeros((b,), bool), jnp.full((b,), -1, jnp.int32))
+    p, _, taken, chosen = jax.lax.fori_loop(0, r_max, try_child(d, pos_B, live_B), init)
+    path_BD = jnp.where((jnp.arange(d_max)[None] == d) & taken[:, None], chosen[:, None], path_BD)
+    pos_B = jnp.where(taken, chosen + 1, pos_B)
+    p = jnp.where(taken[:, None], p_all[rows, pos_B], p)
+    return pos_B, p, live_B & taken, n_B + taken, path_BD
+
+  init = (jnp.zeros((b,), jnp.int32), p_all[:, 0], jnp.ones((b,), bool),
+          jnp.zeros((b,), jnp.int32), jnp.full((b, d_max), -1, jnp.int32))
+  last_B, p, _, n_B, path_BD = jax.lax.fori_loop(0, d_max, depth_body, init)
+  logits = jnp.where(p > 0, jnp.log(jnp.maximum(p, 1e-38)), NEG_INF)
+  bonus_B = jax.vmap(lambda k, lg: jax.random.categorical(k, lg))(keys[:, 1], logits)
+  bonus_B = bonus_B.astype(jnp.int32)
+  return Verdict(n_B, path_BD, _emitted(nodes_BT, path_BD, n_B, bonus_B), last_B)
+
+
+# ---------------------------------------------------------------- committing the accepted path
+
+
+def commit_path(buf_BS, length_B, path_BD, accepted_B):
+  """Moves each row's accepted nodes from their tree slots length+path[d] to length+d, d < n.
+
+  buf_BS: any cache array indexed [B, S, ...] (K, V, their scales). Only the n moved entries are
+  written (the rest drop out of bounds), so with the buffer donated XLA updates it in place.
+  """
+  b, s = buf_BS.shape[:2]
+  d = path_BD.shape[1]
+  rows = jnp.arange(b)[:, None]
+  src = jnp.clip(length_B[:, None] + jnp.maximum(path_BD, 0), 0, s - 1)
+  moved = buf_BS[rows, src]                                    # [B, D, ...]
+  keep = jnp.arange(d)[None] < accepted_B[:, None]
+  dst = jnp.where(keep, length_B[:, None] + jnp.arange(d)[None], s)
+  return buf_BS.at[rows, dst].set(moved, mode="drop")
+
+
+def commit_path_cache(cache, length_B, path_BD, accepted_B):
+  """commit_path on every array of a cache pytree (KVCache: k, v and scales of every layer)."""
+  return jax.tree.map(lambda a: commit_path(a, length_B, path_BD, accepted_B), cache)

@@ -49,6 +49,7 @@ from mtp_jax import data as data_lib
 from mtp_jax import engine as engine_lib
 from mtp_jax import model as model_lib
 from mtp_jax import sharding as sharding_lib
+from mtp_jax import widen as widen_lib
 from mtp_jax.config import Config, DataConfig, DecodeConfig, ModelConfig
 
 
@@ -132,8 +133,12 @@ def load_prompts(spec: str, tokenizer, n: int, prompt_tokens: int, seed: int = 0
 
 
 def load_model(spec: str, seed: int = 0):
-  """A model directory, or 'config:NAME': an untrained model of configs/NAME.py (random weights,
-  fine for speed; its tokenizer is trained on a little of the corpus)."""
+  """A model directory, 'config:NAME': an untrained model of configs/NAME.py (random weights,
+  fine for speed; its tokenizer is trained on a little of the corpus), or 'widen:N:DIR': DIR's
+  model widened N times by a function-preserving expansion (its tokens and acceptance, N^2 times
+  the bytes; mtp_jax/widen.py)."""
+  if spec.startswith("widen:"):
+    return widen_lib.load_widened(spec)
   if not spec.startswith("config:"):
     return ckpt_lib.load_model_dir(spec)
   name = spec[len("config:"):]

@@ -142,6 +142,8 @@ MODES = ("joint", "heads_only")
 DISTILL_SOURCES = ("corpus", "generated")
 DISTILL_TARGETS = ("hard", "soft")
 DRAFTERS = ("heads", "ngram", "model")
+ATTENTIONS = ("dense", "blocked")
+KV_DTYPES = ("auto", "float32", "bfloat16", "int8", "float8_e4m3fn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +251,11 @@ class DecodeConfig:
   reuse_module: bool = False        # sequential heads: draft k tokens with module 1 applied k times
                                     # (implied for a model with one module and k > 1)
   ngram_n: int = 2                  # ngram: the suffix length looked up in the row's history
+  attention: str = "blocked"        # decode attention: dense (reads all max_len positions) |
+                                    # blocked (reads blocks up to the longest row; attention.py)
+  attention_block: int = 128        # blocked: positions per block (compile-time)
+  kv_dtype: str = "auto"            # KV cache storage: auto (the compute dtype) | float32 |
+                                    # bfloat16 | int8 | float8_e4m3fn (scale per position, head)
 
   def __post_init__(self):
     _positive(self, "batch_size", "ring_size", "min_bucket", "accept_window", "probe_every",
@@ -271,6 +278,11 @@ class DecodeConfig:
     if self.drafter != "heads" and self.k < 0:
       _fail("decode.k", self.k, f"must be set (>= 0) with decode.drafter={self.drafter!r}")
     _positive(self, "ngram_n")
+    _positive(self, "attention_block")
+    if self.attention not in ATTENTIONS:
+      _fail("decode.attention", self.attention, f"must be one of {ATTENTIONS}")
+    if self.kv_dtype not in KV_DTYPES:
+      _fail("decode.kv_dtype", self.kv_dtype, f"must be one of {KV_DTYPES}")
 
   def resolve(self, model: "ModelConfig", heads: "HeadsConfig") -> "DecodeConfig":
     """Fills the defaults from a model and checks the values against it."""

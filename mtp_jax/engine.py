@@ -142,6 +142,9 @@ class Engine:
     self.cost = [1.0] * (self.kd + 1)
     self.needs_conf = self.cfg.adaptive or self.cfg.confidence_threshold > 0
     self.dtype = model_lib.compute_dtype(model_cfg)
+    # The trunk's (and a draft model's) KV cache: storage dtype, how attention reads it.
+    self.cache_args = (kv.storage_dtype(self.cfg.kv_dtype, self.dtype), self.cfg.attention,
+                       self.cfg.attention_block)
     self.mesh = mesh
     self.state_sharding = None
     if mesh is not None:
@@ -176,8 +179,8 @@ class Engine:
         done=jnp.ones((b,), bool), drafts=jnp.zeros((b, kd), jnp.int32),
         draft_logq=jnp.zeros((b, kd, v), jnp.float32), draft_conf=jnp.zeros((b, kd), jnp.float32),
         n_fresh=jnp.zeros((b,), jnp.int32),
-        cache=kv.init_cache(self.model_cfg, b, s, self.dtype),
-        draft_cache=(kv.init_cache(self.draft_cfg[0], b, s, self.dtype)
+        cache=kv.init_cache(self.model_cfg, b, s, *self.cache_args),
+        draft_cache=(kv.init_cache(self.draft_cfg[0], b, s, *self.cache_args)
                      if self.drafter == "model" else
                      self._seq_cache(b, s + kd + 1) if self.seq else None),
         seq_h=(jnp.zeros((b, self.n_mod, self.model_cfg.d_model), self.dtype) if self.seq
@@ -467,11 +470,11 @@ class Engine:
                     sample: bool):
     m, dm = self._bind(params)
     n, p = tokens_NP.shape
-    cache = kv.init_cache(self.model_cfg, n, p, self.dtype)
+    cache = kv.init_cache(self.model_cfg, n, p, *self.cache_args)
     h, cache = m(tokens_NP, jnp.broadcast_to(jnp.arange(p), (n, p)), cache)
     dcache = None
     if dm is not None:       # room for the first token and the drafts after the prompt
-      dcache = kv.init_cache(self.draft_cfg[0], n, p + self.kd + 1, self.dtype)
+      dcache = kv.init_cache(self.draft_cfg[0], n, p + self.kd + 1, *self.cache_args)
       _, dcache = dm(tokens_NP, jnp.broadcast_to(jnp.arange(p), (n, p)), dcache)
     h_last = jnp.take_along_axis(h, (length_N - 1)[:, None, None], axis=1)[:, 0]
     logits = m.logits(h_last)
@@ -540,9 +543,9 @@ class Engine:
 
     def put(cache, rows_cache):    # the prefix's positions 0..P'-1 into the slots' rows
       cols = jnp.arange(rows_cache.max_len)[None, :]
-      put1 = lambda c, pc: c.at[rows, cols].set(pc.astype(c.dtype))
-      return kv.KVCache(k=tuple(map(put1, cache.k, rows_cache.k)),
-                        v=tuple(map(put1, cache.v, rows_cache.v)))
+      # Over the whole pytree, so that a quantised cache's scales travel along.
+      return jax.tree.map(lambda c, pc: c.at[rows, cols].set(pc.astype(c.dtype)), cache,
+                          rows_cache)
 
     dcache = (None if state.draft_cache is None
               else put(state.draft_cache, prefix.draft_cache))

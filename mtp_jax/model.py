@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mtp_jax import attention as attn_lib
 from mtp_jax import cache as kv
 from mtp_jax.config import HeadsConfig, ModelConfig
 
@@ -108,10 +109,14 @@ class Attention(nnx.Module):
     if cfg.out_bias:
       self.bo_D = nnx.Param(jnp.zeros((d,), pd))
 
-  def __call__(self, x_BTD, pos_BT, cache_kv=None, key_limit_B=None, key_min: int = 0):
-    """key_limit_B (with a cache): keys past this position are not attended to, except the
-    query's own (the sequential heads' drafting skips entries not yet known to be right);
-    key_min: cache positions below it hold nothing (a sequential module's first input)."""
+  def __call__(self, x_BTD, pos_BT, cache_kv=None, key_limit_B=None, key_min: int = 0,
+               query_mask_TT=None):
+    """cache_kv: this layer's cache, a kv.LayerKV or a (k, v) pair (float, read densely); the
+    same kind comes back, updated. key_limit_B (with a cache): keys past this position are not
+    attended to, except the query's own (the sequential heads' drafting skips entries not yet
+    known to be right); key_min: cache positions below it hold nothing (a sequential module's
+    first input); query_mask_TT: which of the step's own tokens each query attends (default
+    causal; a tree's ancestor mask). See attention.py."""
     cfg, dt = self.cfg, x_BTD.dtype
     q = jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq_DNH[...].astype(dt))
     k = jnp.einsum("BTD,DGH->BTGH", x_BTD, self.wk_DGH[...].astype(dt))
@@ -122,27 +127,12 @@ class Attention(nnx.Module):
       v = v + self.bv_GH[...].astype(dt)
     q, k = rope(q, pos_BT, cfg), rope(k, pos_BT, cfg)
     if cache_kv is None:
-      keys, values, kpos_BS = k, v, pos_BT
-    else:
-      ck, cv = cache_kv
-      ck, cv = kv.write(ck, k, pos_BT[:, 0]), kv.write(cv, v, pos_BT[:, 0])
-      cache_kv = (ck, cv)
-      keys, values = ck.astype(dt), cv.astype(dt)
-      kpos_BS = jnp.broadcast_to(jnp.arange(ck.shape[1]), (x_BTD.shape[0], ck.shape[1]))
-    b, t, n, h = q.shape
-    g = cfg.n_kv_heads
-    q_BTGRH = q.reshape(b, t, g, n // g, h)
-    logits = jnp.einsum("BTGRH,BSGH->BGRTS", q_BTGRH, keys).astype(jnp.float32) * h ** -0.5
-    mask_BTS = kpos_BS[:, None, :] <= pos_BT[:, :, None]
-    if key_limit_B is not None:
-      mask_BTS &= ((kpos_BS[:, None, :] <= key_limit_B[:, None, None])
-                   | (kpos_BS[:, None, :] == pos_BT[:, :, None]))
-    if key_min:
-      mask_BTS &= kpos_BS[:, None, :] >= key_min
-    logits = jnp.where(mask_BTS[:, None, None], logits, -1e30)
-    probs = jax.nn.softmax(logits, axis=-1).astype(dt)
-    out = jnp.einsum("BGRTS,BSGH->BTGRH", probs, values).reshape(b, t, n, h)
-    return self._out(out), cache_kv
+      m = attn_lib.mask(pos_BT, pos_BT, key_limit_B, key_min, query_mask_TT)
+      return self._out(attn_lib.dense(q, k, v, m)), None
+    layer = cache_kv if isinstance(cache_kv, kv.LayerKV) else kv.LayerKV(*cache_kv)
+    layer = kv.write_layer(layer, k, v, pos_BT[:, 0])
+    out = attn_lib.attend_cache(q, layer, pos_BT, key_limit_B, key_min, query_mask_TT)
+    return self._out(out), layer if isinstance(cache_kv, kv.LayerKV) else (layer.k, layer.v)
 
   def _out(self, out_BTNH):
     y = jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.wo_NHD[...].astype(out_BTNH.dtype))
@@ -174,8 +164,10 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x_BTD, pos_BT, cache_kv=None, key_limit_B=None, key_min: int = 0):
-    y, cache_kv = self.attn(self.attn_norm(x_BTD), pos_BT, cache_kv, key_limit_B, key_min)
+  def __call__(self, x_BTD, pos_BT, cache_kv=None, key_limit_B=None, key_min: int = 0,
+               query_mask_TT=None):
+    y, cache_kv = self.attn(self.attn_norm(x_BTD), pos_BT, cache_kv, key_limit_B, key_min,
+                            query_mask_TT)
     x_BTD = x_BTD + y
     return x_BTD + self.mlp(self.mlp_norm(x_BTD)), cache_kv
 
@@ -204,18 +196,15 @@ class Trunk(nnx.Module):
       return logits * self.cfg.d_model ** -0.5 if self.cfg.tied_logits_scale else logits
     return jnp.einsum("...D,DV->...V", h, self.unembed_DV[...].astype(jnp.float32))
 
-  def __call__(self, tokens_BT, pos_BT, cache: kv.KVCache | None = None):
+  def __call__(self, tokens_BT, pos_BT, cache: kv.KVCache | None = None, query_mask_TT=None):
     """-> (final hidden states, the updated cache)."""
     x = self.embed(tokens_BT)
-    new_k, new_v = [], []
+    layers = []
     for i, block in enumerate(self.blocks):
-      layer_cache = None if cache is None else (cache.k[i], cache.v[i])
-      x, layer_cache = block(x, pos_BT, layer_cache)
-      if cache is not None:
-        new_k.append(layer_cache[0])
-        new_v.append(layer_cache[1])
-    new_cache = None if cache is None else kv.KVCache(k=tuple(new_k), v=tuple(new_v))
-    return self.final_norm(x), new_cache
+      x, layer = block(x, pos_BT, None if cache is None else cache.layer(i),
+                       query_mask_TT=query_mask_TT)
+      layers.append(layer)
+    return self.final_norm(x), None if cache is None else cache.with_layers(layers)
 
 
 class MTPModel(nnx.Module):
@@ -227,8 +216,8 @@ class MTPModel(nnx.Module):
     self.trunk = Trunk(cfg, rngs)
     self.heads = heads.make_heads(cfg, heads_cfg, rngs)
 
-  def __call__(self, tokens_BT, pos_BT, cache: kv.KVCache | None = None):
-    return self.trunk(tokens_BT, pos_BT, cache)
+  def __call__(self, tokens_BT, pos_BT, cache: kv.KVCache | None = None, query_mask_TT=None):
+    return self.trunk(tokens_BT, pos_BT, cache, query_mask_TT)
 
   def logits(self, h_xD):
     return self.trunk.unembed(h_xD)

@@ -89,11 +89,11 @@ def node_tokens(tree: Tree, candidates_BKR):
   return candidates_BKR[:, tree.head, tree.rank]
 
 
-def parent_q(tree: Tree, head_logq_BKV):
-  """[B, T+1, V] per input position, the head distribution its children were drawn from (parallel
-  heads: head d for every node at depth d-1; the root's children come from head 1)."""
-  depth_P = tree.offsets_P
-  return head_logq_BKV[:, jnp.minimum(depth_P, head_logq_BKV.shape[1] - 1)]
+def head_rows(tree: Tree, num_heads: int):
+  """[T+1] for parallel heads: per input position, the head its children were drawn from (head
+  d for every node at depth d-1; the root's children come from head 1), as `q_row_P` of
+  verify_sampling over the heads' [B, K, V] distributions."""
+  return jnp.asarray(tree.offsets_P.clip(0, num_heads - 1))
 
 
 def step_inputs(tree: Tree, last_token_B, nodes_BT, length_B):
@@ -135,27 +135,29 @@ def _normalized(x_BV, fallback_BV):
   return jnp.where(mass > 0, x_BV / jnp.maximum(mass, 1e-30), fallback_BV)
 
 
-def verify_sampling(key, tree: Tree, nodes_BT, logp_BPV, logq_BPV=None,
+def verify_sampling(key, tree: Tree, nodes_BT, logp_BPV, logq_BXV=None, q_row_P=None,
                     mode: str = "topk") -> Verdict:
   """Lossless recursive rejection over the tree (see the module docstring for the modes).
 
-  logp_BPV: the trunk's processed log-probabilities at the root and every node [B, T+1, V];
-  logq_BPV ('sampled' only): per input position the processed log q its children were drawn
-  from (`parent_q` for parallel heads). `key` is one key or one per row.
+  logp_BPV: the trunk's processed log-probabilities at the root and every node [B, T+1, V].
+  'sampled' only: logq_BXV the processed log q the drafts were drawn from, and q_row_P [T+1]
+  which of its X rows each input position's children were drawn from (default: row = position,
+  X = T+1; parallel heads pass their [B, K, V] and `head_rows`). `key`: one key or one per row.
+  Only the rows the walk reaches are exponentiated, never all T+1 positions' distributions.
   """
   if mode not in MODES:
     raise ValueError(f"mode={mode!r}: must be one of {MODES}")
-  if mode == "sampled" and logq_BPV is None:
-    raise ValueError("mode 'sampled' needs logq_BPV, the distributions the drafts were drawn from")
+  if mode == "sampled" and logq_BXV is None:
+    raise ValueError("mode 'sampled' needs logq_BXV, the distributions the drafts were drawn from")
   b, t = nodes_BT.shape
   v = logp_BPV.shape[-1]
   d_max, r_max = tree.max_depth, tree.children_PR.shape[1]
   children_PR = jnp.asarray(tree.children_PR)
   keys = jax.vmap(lambda k: jax.random.split(k, 2))(row_keys(key, b))
   u_BDR = jax.vmap(lambda k: jax.random.uniform(k, (d_max, r_max)))(keys[:, 0])
-  p_all = jnp.exp(logp_BPV.astype(jnp.float32))
-  q_all = None if mode == "topk" else jnp.exp(logq_BPV.astype(jnp.float32))
+  q_row_P = jnp.arange(t + 1) if q_row_P is None else jnp.asarray(q_row_P)
   rows = jnp.arange(b)
+  p_at = lambda pos_B: jnp.exp(logp_BPV[rows, pos_B].astype(jnp.float32))
   vocab = jnp.arange(v)
 
   def try_child(d, pos_B, live_B):
@@ -178,15 +180,17 @@ def verify_sampling(key, tree: Tree, nodes_BT, logp_BPV, logq_BPV=None,
 
   def depth_body(d, carry):
     pos_B, p, live_B, n_B, path_BD = carry
-    q0 = None if q_all is None else q_all[rows, pos_B]
+    q0 = None
+    if mode == "sampled":
+      q0 = jnp.exp(logq_BXV[rows, q_row_P[pos_B]].astype(jnp.float32))
     init = (p, q0, jnp.zeros((b,), bool), jnp.full((b,), -1, jnp.int32))
     p, _, taken, chosen = jax.lax.fori_loop(0, r_max, try_child(d, pos_B, live_B), init)
     path_BD = jnp.where((jnp.arange(d_max)[None] == d) & taken[:, None], chosen[:, None], path_BD)
     pos_B = jnp.where(taken, chosen + 1, pos_B)
-    p = jnp.where(taken[:, None], p_all[rows, pos_B], p)
+    p = jnp.where(taken[:, None], p_at(pos_B), p)
     return pos_B, p, live_B & taken, n_B + taken, path_BD
 
-  init = (jnp.zeros((b,), jnp.int32), p_all[:, 0], jnp.ones((b,), bool),
+  init = (jnp.zeros((b,), jnp.int32), p_at(jnp.zeros((b,), jnp.int32)), jnp.ones((b,), bool),
           jnp.zeros((b,), jnp.int32), jnp.full((b, d_max), -1, jnp.int32))
   last_B, p, _, n_B, path_BD = jax.lax.fori_loop(0, d_max, depth_body, init)
   logits = jnp.where(p > 0, jnp.log(jnp.maximum(p, 1e-38)), NEG_INF)

@@ -184,7 +184,7 @@ def _tree_step(tree, lm, q_KV, n_rows, mode, seed, verify_mode=None):
   logp = _trunk_logp(tree, lm, nodes)
   verify = jax.jit(TV.verify_sampling, static_argnums=(1,), static_argnames="mode")
   out = verify(k_verify, tree, jnp.asarray(nodes), jnp.asarray(logp),
-               TV.parent_q(tree, logq_BKV), mode=verify_mode or mode)
+               logq_BKV, TV.head_rows(tree, q_KV.shape[0]), mode=verify_mode or mode)
   tokens, n = np.asarray(out.tokens_BD), np.asarray(out.accepted_B)
   rng = np.random.default_rng(seed)
   second = [rng.choice(lm[0].shape[-1], p=lm[1][a]) for a in tokens[n == 0, 0]]

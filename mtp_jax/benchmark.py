@@ -23,7 +23,9 @@ the critical path (dispatch, detokenising, refilling), in microseconds.
 Roofline: the machine's memory bandwidth (a matrix-vector product streaming a 512 MiB matrix, well
 beyond the last-level cache: the access pattern of decoding) and matmul throughput are measured in
 the same run. Per decode step the bytes
-moved are the parameters plus the whole KV cache (attention reads every cached position) and the
+moved are the parameters plus the KV cache positions attention reads (dense: all max_len of
+them; blocked: the blocks up to the longest row, averaged over the run: `kv_read_positions`), in
+the cache's storage dtype (int8 adds an f32 scale per position and kv head), and the
 FLOPs are 2 x multiply-adds of the k+1 verified tokens per row plus drafting; the attained FLOP
 rate over the roof at the step's arithmetic intensity is `roofline_fraction`, and the step is
 memory bound when its intensity is below the machine's ridge point (peak FLOP/s / bandwidth).
@@ -47,6 +49,7 @@ from mtp_jax import api
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import data as data_lib
 from mtp_jax import engine as engine_lib
+from mtp_jax import cache as kv_lib
 from mtp_jax import model as model_lib
 from mtp_jax import sharding as sharding_lib
 from mtp_jax import widen as widen_lib
@@ -216,17 +219,32 @@ def machine_info(roofline: bool = True) -> dict:
   return info
 
 
+def kv_read_positions(dcfg: DecodeConfig, prompt_len: int, new_tokens: int) -> float:
+  """Cache positions a step's attention reads per row: all max_len (dense), or the blocks up to
+  the longest row (blocked), averaged over a run whose rows grow from prompt_len by new_tokens."""
+  if dcfg.attention == "dense":
+    return float(dcfg.max_len)
+  blk = min(dcfg.attention_block, dcfg.max_len)
+  return float(np.mean([min(-(-(prompt_len + j) // blk) * blk, dcfg.max_len)
+                        for j in range(max(new_tokens, 1))]))
+
+
 def step_cost(mcfg: ModelConfig, hcfg, dcfg: DecodeConfig, k: float, batch: int, params,
-              draft_params=None, draft_cfg: ModelConfig | None = None) -> tuple[float, float]:
-  """(bytes, FLOPs) of one decode step with k drafts for `batch` rows (see the module doc)."""
+              draft_params=None, draft_cfg: ModelConfig | None = None,
+              kv_positions: float | None = None) -> tuple[float, float]:
+  """(bytes, FLOPs) of one decode step with k drafts for `batch` rows (see the module doc);
+  kv_positions: the cache positions attention reads per row (default all max_len), in the
+  cache's storage dtype (a quantised one adds its f32 scale per position and kv head)."""
   itemsize = jnp.dtype(model_lib.compute_dtype(mcfg)).itemsize
+  kv_item = kv_lib.storage_dtype(dcfg.kv_dtype, model_lib.compute_dtype(mcfg)).itemsize
+  live = dcfg.max_len if kv_positions is None else kv_positions
   n_params = model_lib.count_params(params)
   head_params = model_lib.count_params(params["heads"]) if "heads" in params else 0
-  kv_per_pos = 2 * mcfg.n_layers * mcfg.n_kv_heads * mcfg.head_dim * itemsize
-  nbytes = (n_params - head_params) * itemsize + batch * dcfg.max_len * kv_per_pos
+  kv_per_pos = 2 * mcfg.n_layers * mcfg.n_kv_heads * kv_lib.bytes_per_value(mcfg, kv_item)
+  nbytes = (n_params - head_params) * itemsize + batch * live * kv_per_pos
   emb = mcfg.vocab_size * mcfg.d_model
   trunk_macs = n_params - head_params - (0 if mcfg.tie_embeddings else emb)  # untied: embed is a lookup
-  attn_macs = 2 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * dcfg.max_len
+  attn_macs = 2 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * live
   flops = 2 * batch * (k + 1) * (trunk_macs + attn_macs)
   if k and dcfg.drafter == "heads":
     nbytes += head_params * itemsize
@@ -237,8 +255,8 @@ def step_cost(mcfg: ModelConfig, hcfg, dcfg: DecodeConfig, k: float, batch: int,
       flops += 2 * batch * k * (per_head + emb)
   if k and dcfg.drafter == "model" and draft_params is not None:
     dn = model_lib.count_params(draft_params)
-    nbytes += dn * itemsize * k + batch * dcfg.max_len * 2 * draft_cfg.n_layers * \
-        draft_cfg.n_kv_heads * draft_cfg.head_dim * itemsize
+    nbytes += dn * itemsize * k + batch * live * 2 * draft_cfg.n_layers * \
+        draft_cfg.n_kv_heads * kv_lib.bytes_per_value(draft_cfg, kv_item)
     flops += 2 * batch * (k + 1) * dn
   return float(nbytes), float(flops)
 
@@ -281,7 +299,8 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
         prompt_tokens: int = 64, rounds: int = 1, repeats: int = 2, warmup: int = 1,
         temperature: float = 0.0, prompts: str = "", draft_model: str = "",
         machine: dict | None = None, log=print, cost_table: str | None = None,
-        mesh: str | None = None) -> list[Result]:
+        mesh: str | None = None, attention: str = DecodeConfig.attention,
+        kv_dtype: str = DecodeConfig.kv_dtype, max_len: int = 0) -> list[Result]:
   """mesh: a mesh shape ('data:2,model:4') to decode on; None = one device."""
   mcfg, hcfg, params, tok = load_model(model)
   device_mesh = None if mesh is None else sharding_lib.make_mesh(mesh)
@@ -303,10 +322,11 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
     for mode in modes:
       drafter, k = parse_mode(mode)
       kd = hcfg.num if k == "auto" else k
-      # The cache holds what a row can reach (attention reads all of it every step).
-      max_len = min(mcfg.max_seq_len, longest + max_new_tokens + kd + 2)
+      # By default the cache holds what a row can reach; --max_len sets a serving-sized one.
+      cache_len = max_len or min(mcfg.max_seq_len, longest + max_new_tokens + kd + 2)
       dcfg = DecodeConfig(batch_size=b, k=-1 if k == "auto" else k, ring_size=32,
-                          adaptive=k == "auto", max_len=max_len, drafter=drafter)
+                          adaptive=k == "auto", max_len=cache_len, drafter=drafter,
+                          attention=attention, kv_dtype=kv_dtype)
       dec = api.Decoder(mcfg, hcfg, params, tok, dcfg,
                         draft=draft if drafter == "model" else None, mesh=device_mesh)
       if device_mesh is not None and b == batch_sizes[0]:
@@ -345,7 +365,8 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
             at_s=t0 + dt / 2 - t_first))
     for mode in modes:
       r = summarize(runs[mode], runs.get("vanilla"))
-      _roofline(r, decoders[mode], mcfg, hcfg, params, draft, machine)
+      _roofline(r, decoders[mode], mcfg, hcfg, params, draft, machine,
+                kv_read_positions(decoders[mode].engine.cfg, longest, max_new_tokens))
       results.append(r)
       log(format_row(r))
   return results
@@ -374,13 +395,13 @@ def summarize(runs: list[Result], base: list[Result] | None) -> Result:
   return r
 
 
-def _roofline(r: Result, dec, mcfg, hcfg, params, draft, machine):
+def _roofline(r: Result, dec, mcfg, hcfg, params, draft, machine, kv_positions=None):
   eng = dec.engine
   st = dec.last_stats
   k = sum(st["drafted"]) / max(st["row_steps"], 1)     # drafts verified per row and step
   nbytes, flops = step_cost(mcfg, hcfg, eng.cfg, k, r.batch_size, params,
                             draft[2] if draft and eng.drafter == "model" else None,
-                            draft[0] if draft else None)
+                            draft[0] if draft else None, kv_positions)
   r.step_bytes, r.step_flops = nbytes, flops
   if not machine or "memory_bandwidth_gb_s" not in machine or not r.steps:
     return

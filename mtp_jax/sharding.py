@@ -146,10 +146,11 @@ def decode_state_shardings(state_abstract, mesh: Mesh, batch_size: int, cache_pa
   def one(path, x):
     names = [getattr(e, "name", getattr(e, "key", None)) for e in path]
     shape = tuple(x.shape)
-    if any(n in cache_paths for n in names) and len(shape) == 4:      # [B, S, G, H]
+    if any(n in cache_paths for n in names) and len(shape) in (3, 4):
+      # [B, S, G, H] K/V, [B, S, G] an int8 cache's scales
       g_axis = "model" if shape[2] % mesh.shape["model"] == 0 else None
       b_axis = "data" if shape[0] % data == 0 else None
-      return NamedSharding(mesh, P(b_axis, None, g_axis, None))
+      return NamedSharding(mesh, P(b_axis, None, g_axis, *([None] * (len(shape) - 3))))
     if names and names[0] in ("tokens", "draft_logq") and shape[0] == batch_size \
         and batch_size % data == 0:
       return NamedSharding(mesh, P("data", *([None] * (len(shape) - 1))))

@@ -35,6 +35,16 @@ _REPEATS = flags.DEFINE_integer(
     "repeats", 3, "Timed repeats per mode, interleaved across modes: the repeat of median "
     "throughput is reported, the speedup is the median of per-repeat ratios to vanilla.")
 _TEMP = flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0 = greedy).")
+# The choices of DecodeConfig.attention / kv_dtype, spelled out so that flags are checked
+# before JAX is imported.
+_ATTN = flags.DEFINE_enum("attention", "blocked", ["dense", "blocked"],
+                          "Decode attention: dense (every cache position) or blocked (blocks "
+                          "up to the longest row).")
+_KV_DTYPE = flags.DEFINE_enum("kv_dtype", "auto",
+                              ["auto", "float32", "bfloat16", "int8", "float8_e4m3fn"],
+                              "KV cache storage (auto: the compute dtype).")
+_MAX_LEN = flags.DEFINE_integer("max_len", 0, "Cache length per slot; 0: what the prompts and "
+                                "new tokens need.")
 _ROOF = flags.DEFINE_bool("roofline", True, "Measure bandwidth and matmul throughput.")
 _OUT = flags.DEFINE_string("out", "", "Directory for results.json, results.md, results.png.")
 
@@ -57,7 +67,8 @@ def main(argv):
         _MODEL.value, _MODES.value, sizes, _MAX_NEW.value, _PROMPT.value, _ROUNDS.value,
         _REPEATS.value, _WARMUP.value, _TEMP.value, _PROMPTS.value,
         _DRAFT.value if any(m.startswith("draft:") for m in _MODES.value) else "", machine,
-        log=lambda s: print(s, flush=True), mesh=mesh_flags.MESH.value)
+        log=lambda s: print(s, flush=True), mesh=mesh_flags.MESH.value,
+        attention=_ATTN.value, kv_dtype=_KV_DTYPE.value, max_len=_MAX_LEN.value)
   except (ckpt_lib.ModelDirError, ValueError) as e:
     sys.exit(f"mtp-bench: error: {e}")
   if _OUT.value:

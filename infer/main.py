@@ -47,6 +47,13 @@ _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed of the job.")
 _MAX_LEN = flags.DEFINE_integer(
     "max_len", 0, "Cache length per slot; 0: what the input needs (longest prompt + "
     "max_new_tokens, rounded up to 128), at most the model's context.")
+_ATTN = flags.DEFINE_enum("attention", "blocked", ["dense", "blocked"],
+                          "Decode attention: dense (every cache position) or blocked (blocks "
+                          "up to the longest row).")
+_KV_DTYPE = flags.DEFINE_enum("kv_dtype", "auto",
+                              ["auto", "float32", "bfloat16", "int8", "float8_e4m3fn"],
+                              "KV cache storage (auto: the compute dtype); int8 fits more slots "
+                              "in --kv_budget_gb.")
 _QUIET = flags.DEFINE_bool("quiet", False, "No progress on stderr.")
 flags.mark_flags_as_required(["model", "input", "output"])
 
@@ -91,7 +98,8 @@ def main(argv):
     if max_len == 0:
       need = batch.needed_len(_INPUT.value, tok, _MAX_NEW.value) + hcfg.num + 2
       max_len = min(mcfg.max_seq_len, -(-need // 128) * 128)
-    dcfg = DecodeConfig(k=-1 if adaptive else k, max_len=max_len, adaptive=adaptive)
+    dcfg = DecodeConfig(k=-1 if adaptive else k, max_len=max_len, adaptive=adaptive,
+                        attention=_ATTN.value, kv_dtype=_KV_DTYPE.value)
     dcfg = dataclasses.replace(
         dcfg, batch_size=_slots(mcfg, hcfg, dcfg, params, batch.count_lines(_INPUT.value),
                                   1 if mesh is None else mesh.shape["data"]))

@@ -182,6 +182,8 @@ class Tree:
 
 
 def _check_structure(choices) -> None:
+  if not isinstance(choices, tuple):
+    raise ShapeError("Tree(choices) takes a tuple of tuples (use Tree.from_choices)")
   if not choices:
     raise ShapeError("a tree needs at least one path")
   seen = set()
@@ -304,6 +306,8 @@ def load_trees(path: str):
       if not str(budget).isdigit() or not isinstance(choices, list):
         raise ShapeError(f"trees[{budget!r}]: needs a budget key and a list of paths")
       trees[int(budget)] = Tree.from_choices(choices)
+      if trees[int(budget)].size > int(budget):
+        raise ShapeError(f"trees[{budget!r}]: {trees[int(budget)].size} nodes exceed the budget")
   except (ShapeError, TypeError, ValueError) as e:
     raise ShapeError(f"{path}: {e}") from e
   return rates, trees

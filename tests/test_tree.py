@@ -182,12 +182,41 @@ def _tree_step(tree, lm, q_KV, n_rows, mode, seed, verify_mode=None):
   verify = jax.jit(TV.verify_sampling, static_argnums=(1,), static_argnames="mode")
   out = verify(k_verify, tree, jnp.asarray(nodes), jnp.asarray(logp),
                logq_BKV, TV.head_rows(tree, q_KV.shape[0]), mode=verify_mode or mode)
+  return _first_two(lm, out, seed), out
+
+
+def _first_two(lm, out, seed):
   tokens, n = np.asarray(out.tokens_BD), np.asarray(out.accepted_B)
   rng = np.random.default_rng(seed)
   second = [rng.choice(lm[0].shape[-1], p=lm[1][a]) for a in tokens[n == 0, 0]]
   pair = tokens[:, :2].copy()
   pair[n == 0, 1] = second
-  return pair, out
+  return pair
+
+
+def _per_parent_step(tree, lm, n_rows, mode, seed):
+  """As _tree_step with a drafter whose q depends on the node's path (EAGLE-like): half the
+  trunk's distribution there, half noise; each parent's children are its q's best tokens
+  ('topk') or drawn from it without replacement ('sampled')."""
+  rng = np.random.default_rng(seed)
+  v = lm[0].shape[-1]
+  noise = rng.dirichlet(np.full(v, 0.6), size=tree.size + 1)
+  nodes = np.zeros((n_rows, tree.size), np.int64)
+  logq = np.zeros((n_rows, tree.size + 1, v), np.float32)
+  for pos in range(tree.size + 1):                   # parents come before their children
+    path = [] if pos == 0 else list(tree.paths_TD[pos - 1][tree.paths_TD[pos - 1] >= 0])
+    q = 0.5 * lm[len(path)][tuple(nodes[:, j] for j in path)] + 0.5 * noise[pos]
+    logq[:, pos] = np.log(q)
+    keys = logq[:, pos] + (rng.gumbel(size=(n_rows, v)) if mode == "sampled" else 0.0)
+    order = np.argsort(-keys, axis=-1)
+    kids = tree.children_PR[pos]
+    for r, child in enumerate(kids[kids >= 0]):
+      nodes[:, child] = order[:, r]
+  logp = _trunk_logp(tree, lm, nodes)
+  verify = jax.jit(TV.verify_sampling, static_argnums=(1,), static_argnames="mode")
+  out = verify(jax.random.key(seed), tree, jnp.asarray(nodes, jnp.int32), jnp.asarray(logp),
+               jnp.asarray(logq), mode=mode)
+  return _first_two(lm, out, seed), out
 
 
 def _goodness_of_fit(samples, probs):
@@ -218,6 +247,19 @@ def test_sampling_is_lossless(mode):
   joint = lm[0][:, None] * lm[1]
   assert _goodness_of_fit(pair[:, 0], lm[0]) > 1e-4
   assert _goodness_of_fit(pair[:, 0] * v + pair[:, 1], joint) > 1e-4
+
+
+@pytest.mark.parametrize("mode", TV.MODES)
+def test_sampling_is_lossless_with_a_draft_per_parent(mode):
+  """The same with drafts that depend on their parent's path (q given per input position)."""
+  v, n_rows, tree = 6, 120_000, _tree()
+  lm = _language(v, tree.max_depth, seed=3)
+  pair, out = _per_parent_step(tree, lm, n_rows, mode, seed=7)
+  n, path = np.asarray(out.accepted_B), np.asarray(out.path_BD)
+  assert np.mean(path[:, 0] == 1) > 0.01 and np.mean(path[:, 1] == 4) > 0.01
+  assert np.mean(n == 3) > 0.005 and np.mean(n == 0) > 0.01
+  assert _goodness_of_fit(pair[:, 0], lm[0]) > 1e-4
+  assert _goodness_of_fit(pair[:, 0] * v + pair[:, 1], lm[0][:, None] * lm[1]) > 1e-4
 
 
 def test_the_lossless_check_catches_a_wrong_q():

@@ -104,6 +104,15 @@ def step_inputs(tree: Tree, last_token_B, nodes_BT, length_B):
   return tokens, (length_B[:, None] - 1 + tree.offsets_P[None]).astype(jnp.int32)
 
 
+def step_presence(tree: Tree, base_BV, nodes_BT):
+  """[B, T+1, V] the tokens the repetition penalty counts at each input position: the row's
+  history (base_BV, `sampling.presence`) plus the tokens of that node's own path, as plain
+  decoding would have emitted them; siblings and other branches do not count."""
+  onehot_BTV = jax.nn.one_hot(nodes_BT, base_BV.shape[-1], dtype=jnp.float32)
+  on_path_BTV = jnp.einsum("ij,BjV->BiV", tree.mask_TT.astype(np.float32), onehot_BTV) > 0
+  return jnp.concatenate([base_BV[:, None], base_BV[:, None] | on_path_BTV], axis=1)
+
+
 # ---------------------------------------------------------------- verification
 
 

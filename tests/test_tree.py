@@ -385,6 +385,16 @@ def test_commit_path_moves_the_accepted_entries():
   assert moved["k_scale"][0][0, 4].tolist() == scale[0, 6].tolist()
 
 
+def test_step_presence_counts_the_history_and_the_node_path():
+  tree, v = _tree(), 12
+  base = jnp.zeros((1, v), bool).at[0, 11].set(True)
+  nodes = jnp.array([[1, 2, 3, 4, 5, 6, 7, 8]])
+  pres = np.asarray(TV.step_presence(tree, base, nodes))[0]
+  on = lambda pos: np.flatnonzero(pres[pos]).tolist()
+  assert on(0) == [11] and on(1) == [1, 11] and on(6) == [2, 6, 11]
+  assert on(8) == [1, 4, 8, 11]                        # (0,0,1): nodes 0, 3, 7
+
+
 def test_step_inputs():
   tree = _tree()
   tokens, positions = TV.step_inputs(tree, jnp.array([7, 8]), jnp.zeros((2, 8), jnp.int32),

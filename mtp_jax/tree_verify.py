@@ -57,8 +57,9 @@ MODES = ("topk", "sampled")
 
 class Verdict(NamedTuple):
   """Per row: n drafts accepted, their node indices (-1 past n), the emitted tokens (the first
-  n are the accepted drafts, token n is the trunk's bonus), and the input position (0 = root,
-  i+1 = node i) of the last accepted token, whose hidden state drafts the next step."""
+  n are the accepted drafts, token n is the trunk's bonus, later ones mean nothing), and the
+  input position (0 = root, i+1 = node i) of the last accepted token, whose hidden state drafts
+  the next step."""
   accepted_B: jax.Array      # [B] int32
   path_BD: jax.Array         # [B, D] int32
   tokens_BD: jax.Array       # [B, D+1] int32

@@ -13,11 +13,11 @@ from mtp_jax import api
 from mtp_jax import attention as A
 from mtp_jax import cache as kv
 from mtp_jax import checkpoint as ckpt_lib
+from mtp_jax import data as data_lib
 from mtp_jax import model as M
 from mtp_jax.config import DecodeConfig
 from tests.conftest import tiny_config
 from tests.stats import homogeneity
-from tests.test_engine import _CompileCounter, _prompts
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -163,6 +163,28 @@ def test_model_tree_step_with_an_ancestor_mask(attention):
 
 
 # ----------------------------------------------------------------------------- the engine
+
+
+def _prompts(cfg, tok, n, seed=0):
+  """Held-out code snippets of different lengths."""
+  _, heldout = data_lib.split_files(cfg.data)
+  text = data_lib.read_text(data_lib.corpus_root(cfg.data), heldout[0])
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(n):
+    start = int(rng.integers(0, len(text) - 400))
+    out.append(tok.encode(text[start: start + int(rng.integers(10, 200))])[:40] or [5])
+  return out
+
+
+class _CompileCounter(logging.Handler):
+  def __init__(self):
+    super().__init__()
+    self.messages = []
+
+  def emit(self, record):
+    if "compiling" in record.getMessage().lower():
+      self.messages.append(record.getMessage())
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,5 @@
-"""Losses, the train step, held-out evaluation, and the resumable training loop.
-
-Batches are windows of W = seq_len + K + 1 tokens. The trunk runs on the first W - 1 and predicts
-token t+1 at every position t; head i (1..K) at position t predicts token t+1+i, masked where that
-lies past the window or past an end-of-document token.
+"""The optimizer, the train step, held-out evaluation, and the resumable training loop (losses:
+`losses.py`; the workdir's tokenizer, token cache and run config: `train_setup.py`).
 
 Modes:
   joint       trunk loss + head_loss_weight * mean(head losses), all parameters trained.
@@ -14,7 +11,6 @@ Modes:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -33,128 +29,15 @@ from mtp_jax import generate as gen_lib
 from mtp_jax import model as model_lib
 from mtp_jax import config as config_lib
 from mtp_jax import sharding as sharding_lib
+from mtp_jax import train_setup
 from mtp_jax.config import Config
-from mtp_jax.tokenizer import Tokenizer, train_bpe
+from mtp_jax.losses import agreement, compute_losses
+from mtp_jax.tokenizer import Tokenizer
+from mtp_jax.train_setup import init_from_model_section  # noqa: F401 (mtp-train uses it)
 
 
 class TrainingDiverged(RuntimeError):
   """The loss became NaN or inf; the last good checkpoint is kept."""
-
-
-# ----------------------------------------------------------------------------- losses
-
-
-def head_targets(tokens_BW, num_heads: int, eod_id: int):
-  """Targets and masks for the K heads at each of the W - 1 input positions.
-
-  -> targets [B, W-1, K] (token t+1+i for head i), mask [B, W-1, K] (1 where the target exists
-  inside the window and no end-of-document token lies in tokens t+1 .. t+i).
-  """
-  b, w = tokens_BW.shape
-  t = w - 1
-  targets, masks = [], []
-  is_eod = tokens_BW == eod_id
-  for i in range(1, num_heads + 1):
-    idx = jnp.arange(t) + 1 + i                                   # target position
-    valid = idx <= w - 1
-    tgt = jnp.take(tokens_BW, jnp.minimum(idx, w - 1), axis=1)
-    # EOD among tokens t+1 .. t+i means the target belongs to another document.
-    crossed = jnp.zeros((b, t), bool)
-    for j in range(1, i + 1):
-      crossed |= jnp.take(is_eod, jnp.minimum(jnp.arange(t) + j, w - 1), axis=1)
-    targets.append(tgt)
-    masks.append(valid[None, :] & ~crossed)
-  return jnp.stack(targets, -1), jnp.stack(masks, -1).astype(jnp.float32)
-
-
-def shift_along(x_BTx, i: int):
-  """x at position t + i for every t (the tail is padded with the last entry; mask it)."""
-  t = x_BTx.shape[1]
-  idx = jnp.minimum(jnp.arange(t) + i, t - 1)
-  return jnp.take(x_BTx, idx, axis=1)
-
-
-def _masked_mean(x, mask):
-  return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-
-
-def _xent(logits, target_ids=None, target_probs=None):
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  if target_probs is not None:
-    return -jnp.sum(target_probs * logp, axis=-1)
-  return -jnp.take_along_axis(logp, target_ids[..., None], axis=-1)[..., 0]
-
-
-def compute_losses(m: model_lib.MTPModel, tokens_BW, eod_id: int, mode: str,
-                   distill_target: str = "hard", head_stride: int = 1):
-  """-> (total loss, metrics). Head logits are formed one head at a time under remat, so peak
-  memory holds one [B, T, V] block, not K of them (Gloeckle et al.). With head_stride > 1 the
-  heads are trained on every head_stride-th position only: with K heads the unembedding runs K+1
-  times per position and dominates a small model's FLOPs."""
-  x_BT = tokens_BW[:, :-1]
-  b, t = x_BT.shape
-  k = m.heads_cfg.num
-  pos_BT = jnp.broadcast_to(jnp.arange(t), (b, t))
-  h_BTD, _ = m(x_BT, pos_BT)
-  if mode == "heads_only":
-    h_BTD = jax.lax.stop_gradient(h_BTD)
-  trunk_logits = m.logits(h_BTD)
-  trunk_loss = jnp.mean(_xent(trunk_logits, tokens_BW[:, 1:]))
-  head_tgt, head_mask = head_targets(tokens_BW, k, eod_id)
-  if m.heads_cfg.kind == "sequential":   # modules attend along the sequence: run it whole
-    hh_BTKD = m.head_hidden(h_BTD, tokens_BW)[:, ::head_stride]
-  else:
-    hh_BTKD = m.head_hidden(h_BTD[:, ::head_stride])
-  head_tgt, head_mask = head_tgt[:, ::head_stride], head_mask[:, ::head_stride]
-
-  teacher = None
-  if mode == "heads_only":
-    teacher_logits = jax.lax.stop_gradient(trunk_logits)
-    if distill_target == "hard":
-      teacher = ("ids", jnp.argmax(teacher_logits, -1))
-    else:
-      teacher = ("probs", jax.nn.softmax(teacher_logits, -1))
-    teacher = (teacher[0], [shift_along(teacher[1], i)[:, ::head_stride] for i in range(1, k + 1)])
-
-  @jax.checkpoint
-  def head_loss(hh_BTD, ids, probs, mask):
-    logits = m.logits(hh_BTD)
-    return _masked_mean(_xent(logits, ids, probs), mask)
-
-  head_losses = []
-  for i in range(1, k + 1):
-    mask = head_mask[..., i - 1]
-    if teacher is None:
-      loss_i = head_loss(hh_BTKD[:, :, i - 1], head_tgt[..., i - 1], None, mask)
-    elif teacher[0] == "ids":
-      loss_i = head_loss(hh_BTKD[:, :, i - 1], teacher[1][i - 1], None, mask)
-    else:
-      loss_i = head_loss(hh_BTKD[:, :, i - 1], None, teacher[1][i - 1], mask)
-    head_losses.append(loss_i)
-  head_losses = jnp.stack(head_losses)
-  return trunk_loss, head_losses
-
-
-def agreement(m: model_lib.MTPModel, tokens_BW, eod_id: int, start: int = 0):
-  """Per head, top-1 agreement with the trunk's own greedy prediction of the same token
-  (teacher-forced acceptance proxy), over positions >= start; and the greedy acceptance length
-  a step at each position would get with k = K (1 + the run of agreeing heads from head 1)."""
-  x_BT = tokens_BW[:, :-1]
-  b, t = x_BT.shape
-  k = m.heads_cfg.num
-  h_BTD, _ = m(x_BT, jnp.broadcast_to(jnp.arange(t), (b, t)))
-  trunk_pred = jnp.argmax(m.logits(h_BTD), -1)
-  head_pred = jnp.argmax(m.head_logits(h_BTD, tokens_BW), -1)     # [B, T, K]
-  _, mask = head_targets(tokens_BW, k, eod_id)
-  mask = mask * (jnp.arange(t) >= start)[None, :, None]
-  agree = jnp.stack([head_pred[..., i - 1] == shift_along(trunk_pred, i)
-                     for i in range(1, k + 1)], -1).astype(jnp.float32)
-  per_head = jnp.sum(agree * mask, (0, 1)) / jnp.maximum(jnp.sum(mask, (0, 1)), 1.0)
-  # Acceptance length only where every head has a target.
-  full = mask[..., k - 1]
-  run = jnp.sum(jnp.cumprod(agree, axis=-1), -1)
-  accept_len = 1.0 + jnp.sum(run * full) / jnp.maximum(jnp.sum(full), 1.0)
-  return per_head, accept_len
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -266,53 +149,6 @@ class Trainer:
     return res
 
 
-def _token_cache(workdir: str, name: str, cfg: Config, files: list[str], tokenizer: Tokenizer):
-  """Tokenized corpus split, cached in the workdir (numpy .npy, no pickle)."""
-  fingerprint = json.dumps({"files": files, "root": data_lib.corpus_root(cfg.data),
-                            "tokenizer": tokenizer.hf.to_str()}, sort_keys=True)
-  key = str(abs(hash_str(fingerprint)))
-  path = os.path.join(workdir, f"tokens_{name}_{key}.npy")
-  if os.path.exists(path):
-    return np.load(path, allow_pickle=False)
-  tokens = data_lib.tokenize_files(cfg.data, files, tokenizer)
-  tmp = path + ".tmp.npy"
-  np.save(tmp, tokens, allow_pickle=False)
-  os.replace(tmp, path)
-  return tokens
-
-
-def hash_str(s: str) -> int:
-  return int.from_bytes(hashlib.sha1(s.encode()).digest()[:8], "little")
-
-
-def _load_or_train_tokenizer(cfg: Config, workdir: str, train_files: list[str]) -> Tokenizer:
-  path = os.path.join(workdir, "tokenizer.json")
-  if cfg.train.init_from or cfg.data.tokenizer:
-    src = cfg.data.tokenizer or cfg.train.init_from
-    tok = ckpt_lib.load_tokenizer(src)
-  elif os.path.exists(path):
-    tok = Tokenizer.load(path)
-  else:
-    texts = data_lib.iter_texts(cfg.data, train_files, cfg.data.tokenizer_train_bytes)
-    tok = train_bpe(texts, cfg.model.vocab_size)
-  if tok.vocab_size > cfg.model.vocab_size:
-    raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                     f"{tok.vocab_size} tokens")
-  tok.save(path)
-  return tok
-
-
-def init_from_model_section(model_dir: str) -> dict:
-  """The model section of a model directory's config.json, for a run that starts from it."""
-  path = os.path.join(model_dir, "config.json")
-  if not os.path.exists(path):
-    raise ValueError(f"train.init_from={model_dir!r}: no config.json there (not a model directory)")
-  with open(path) as f:
-    text = f.read()
-  mcfg, _ = config_lib.load_model_dir_config(text, path)
-  return dataclasses.asdict(mcfg)
-
-
 def _init_params(cfg: Config, mesh, rules):
   """Parameters created directly sharded: abstract shapes -> shardings -> jitted init with
   those out shardings (no full copy on one device first)."""
@@ -335,58 +171,23 @@ def _init_params(cfg: Config, mesh, rules):
   return graphdef, params
 
 
-def _check_run_config(workdir: str, cfg: Config):
-  """A workdir belongs to one model: resuming with a different model or data config is refused
-  (train fields such as steps may change)."""
-  path = os.path.join(workdir, "run_config.json")
-  # A run may resume on another mesh: the mesh is not part of what a workdir is bound to.
-  fixed = {k: v for k, v in cfg.to_dict().items() if k not in ("train", "mesh")}
-  fixed["train.mode"] = cfg.train.mode
-  fixed["train.seed"] = cfg.train.seed
-  fixed["train.batch_size"] = cfg.train.batch_size
-  if os.path.exists(path):
-    with open(path) as f:
-      old = json.load(f)
-    if old != json.loads(json.dumps(fixed)):
-      diff = sorted(k for k in set(old) | set(fixed) if old.get(k) != json.loads(json.dumps(fixed)).get(k))
-      raise ValueError(f"--workdir={workdir} holds a run with a different configuration "
-                       f"(differs in: {diff}); use a new workdir")
-  else:
-    with open(path, "w") as f:
-      json.dump(fixed, f, indent=2)
-
-
-def _truncate_metrics(path: str, last_step: int):
-  """Drops metric lines written after the checkpoint a resumed run starts from."""
-  if not os.path.exists(path):
-    return
-  keep = []
-  with open(path) as f:
-    for line in f:
-      try:
-        rec = json.loads(line)
-      except json.JSONDecodeError:
-        continue  # a line cut by a kill
-      if rec.get("step", 0) <= last_step:
-        keep.append(line if line.endswith("\n") else line + "\n")
-  with open(path, "w") as f:
-    f.writelines(keep)
-
-
 def train(cfg: Config, workdir: str, log: Callable[[str], None] = logging.info,
-          stop_after: int | None = None) -> dict:
-  """Trains (or resumes) a run in `workdir`; returns the final evaluation.
+          stop_after: int | None = None,
+          progress: Callable[[int, int, float], None] | None = None) -> dict:
+  """Trains (or resumes) a run in `workdir`; returns the final evaluation. `progress(step,
+  steps, loss)` is called as each step's loss is read (one step late: the host never waits on
+  the step it just launched).
 
   Writes checkpoints under workdir/checkpoints, metrics to workdir/metrics.jsonl and, at the end,
   a model directory at workdir/model. `stop_after` ends the process early after that many steps
   of this call (used to test resumption) without exporting.
   """
   os.makedirs(workdir, exist_ok=True)
-  _check_run_config(workdir, cfg)
+  train_setup.check_run_config(workdir, cfg)
   train_files, heldout_files = data_lib.split_files(cfg.data)
-  tokenizer = _load_or_train_tokenizer(cfg, workdir, train_files)
-  train_tokens = _token_cache(workdir, "train", cfg, train_files, tokenizer)
-  heldout_tokens = (_token_cache(workdir, "heldout", cfg, heldout_files, tokenizer)
+  tokenizer = train_setup.load_or_train_tokenizer(cfg, workdir, train_files)
+  train_tokens = train_setup.token_cache(workdir, "train", cfg, train_files, tokenizer)
+  heldout_tokens = (train_setup.token_cache(workdir, "heldout", cfg, heldout_files, tokenizer)
                     if heldout_files else np.zeros((0,), np.int32))
   window = cfg.data.seq_len + cfg.heads.num + 1
   batches = data_lib.BatchIterator(train_tokens, cfg.train.batch_size, window, cfg.data.seed)
@@ -418,7 +219,7 @@ def train(cfg: Config, workdir: str, log: Callable[[str], None] = logging.info,
     trainable, frozen = split_trainable(full, cfg.train.mode)
     batches.restore(data_state)
     step = latest
-    _truncate_metrics(metrics_path, latest)
+    train_setup.truncate_metrics(metrics_path, latest)
     log(f"resumed from step {latest} in {workdir}")
   n_params = model_lib.count_params(params)
   if mesh.size > 1:
@@ -448,6 +249,8 @@ def train(cfg: Config, workdir: str, log: Callable[[str], None] = logging.info,
     if not math.isfinite(loss):
       raise TrainingDiverged(f"loss is {loss} at step {step_m}; stopped. The last good checkpoint "
                              f"is step {last_good} in {workdir}/checkpoints")
+    if progress is not None:
+      progress(step_m, cfg.train.steps, loss)
     return loss
 
   def report(step_m, m):

@@ -11,6 +11,7 @@ import pytest
 
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import model as M
+from mtp_jax import losses
 from mtp_jax import train_lib
 from tests.conftest import tiny_config
 
@@ -19,7 +20,7 @@ EOD = 1
 
 def test_head_targets_are_shifted_and_masked_at_ends():
   tokens = jnp.array([[10, 11, 12, 13, 14, 15]])      # W = 6, inputs t = 0..4
-  tgt, mask = train_lib.head_targets(tokens, 2, EOD)
+  tgt, mask = losses.head_targets(tokens, 2, EOD)
   # head 1 at t predicts token t+2; head 2 predicts t+3
   assert tgt[0, :, 0].tolist()[:4] == [12, 13, 14, 15]
   assert mask[0, :, 0].tolist() == [1, 1, 1, 1, 0]
@@ -29,7 +30,7 @@ def test_head_targets_are_shifted_and_masked_at_ends():
 
 def test_head_targets_do_not_cross_end_of_document():
   tokens = jnp.array([[10, 11, EOD, 20, 21, 22, 23]])
-  _, mask = train_lib.head_targets(tokens, 2, EOD)
+  _, mask = losses.head_targets(tokens, 2, EOD)
   # t=0: head 1 target is token 2 (the EOD itself: allowed); head 2 target token 3 crosses it.
   assert mask[0, 0].tolist() == [1, 0]
   # t=1: tokens t+1.. include the EOD at 2 -> both heads masked.

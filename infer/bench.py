@@ -6,17 +6,20 @@ side in one run, with latency percentiles, host overhead, a roofline and a plot.
   mtp-bench --model=config:bench_large --modes=vanilla,mtp:3 --batch_sizes=1,8   # random weights
 
 Writes OUT/results.json ({"machine": ..., "results": [...]}), OUT/results.md and OUT/results.png;
-the table is also printed. See mtp_jax/benchmark.py for what each column measures and how.
+the table is printed when the run ends (rows also as each batch size finishes, with a progress
+bar on a terminal, on stderr). Flags are checked before any model is loaded. See
+mtp_jax/benchmark.py for what each column measures and how.
 """
 
+import os
+import re
 import shlex
 import sys
 
 from absl import app, flags, logging
 
-from infer import mesh_flags
-from mtp_jax import benchmark
-from mtp_jax import checkpoint as ckpt_lib
+from infer import checks, mesh_flags
+from infer.progress import Progress
 
 _MODEL = flags.DEFINE_string("model", "pretrained/demo",
                              "A model directory, or config:NAME (configs/NAME.py, random weights).")
@@ -47,30 +50,76 @@ _MAX_LEN = flags.DEFINE_integer("max_len", 0, "Cache length per slot; 0: what th
                                 "new tokens need.")
 _ROOF = flags.DEFINE_bool("roofline", True, "Measure bandwidth and matmul throughput.")
 _OUT = flags.DEFINE_string("out", "", "Directory for results.json, results.md, results.png.")
+_QUIET = flags.DEFINE_bool("quiet", False, "No progress on stderr; only the final table.")
+
+
+def check_flags() -> list[int]:
+  """Every flag's value, before anything is loaded (raises checks.FlagError) -> batch sizes."""
+  if not _MODES.value:
+    raise checks.FlagError("--modes=: must list at least one mode")
+  for m in _MODES.value:
+    # benchmark.parse_mode's grammar, matched here so that a typo fails before JAX is imported.
+    if not re.fullmatch(r"vanilla|adaptive|(mtp|draft|ngram):0*[1-9][0-9]*", m):
+      raise checks.FlagError(f"--modes={','.join(_MODES.value)}: unknown mode {m!r} (expected "
+                             "vanilla, adaptive, mtp:K, draft:K or ngram:K with K >= 1)")
+  sizes = checks.int_list("batch_sizes", _BATCH.value, lo=1)
+  if _MODEL.value.startswith("config:"):
+    name = _MODEL.value[len("config:"):]
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isfile(os.path.join(here, "configs", name + ".py")):
+      raise checks.FlagError(f"--model={_MODEL.value}: no configs/{name}.py")
+  elif _MODEL.value.startswith("widen:"):        # widen:N:DIR (mtp_jax/widen.py)
+    checks.model_dir("model", _MODEL.value.split(":", 2)[-1])
+  else:
+    checks.model_dir("model", _MODEL.value)
+  if any(m.startswith("draft:") for m in _MODES.value):
+    checks.model_dir("draft_model", _DRAFT.value)
+  checks.prompts_spec("prompts", _PROMPTS.value)
+  if _OUT.value:
+    checks.output_dir("out", _OUT.value)
+  for name, flag, lo in (("max_new_tokens", _MAX_NEW, 1), ("prompt_tokens", _PROMPT, 1),
+                         ("rounds", _ROUNDS, 1), ("warmup", _WARMUP, 0),
+                         ("repeats", _REPEATS, 1), ("temperature", _TEMP, 0),
+                         ("max_len", _MAX_LEN, 0)):
+    checks.number(name, flag.value, lo=lo)
+  return sizes
 
 
 def main(argv):
+  del argv
   try:
-    for m in _MODES.value:
-      benchmark.parse_mode(m)
-    sizes = [int(b) for b in _BATCH.value]
-    if min(sizes) < 1:
-      raise ValueError(f"--batch_sizes={_BATCH.value}: must be positive")
-  except ValueError as e:
+    sizes = check_flags()
+  except checks.FlagError as e:
     sys.exit(f"mtp-bench: error: {e}")
+  from mtp_jax import benchmark
+  from mtp_jax import checkpoint as ckpt_lib
   mesh_flags.initialize()
+  say = (lambda s: None) if _QUIET.value else (lambda s: print(s, file=sys.stderr, flush=True))
   machine = benchmark.machine_info(_ROOF.value)
-  print(", ".join(f"{k}: {v}" for k, v in machine.items()), flush=True)
-  print(benchmark.HEADER, flush=True)
+  say(", ".join(f"{k}: {v}" for k, v in machine.items()))
+  bar = None
+
+  def progress(done, total, what):
+    nonlocal bar
+    if bar is None:
+      bar = Progress(total, "runs", quiet=_QUIET.value, desc="mtp-bench")
+    bar.update(done, last=what)
+
+  log = lambda s: bar.write(s) if bar is not None else say(s)
   try:
     results = benchmark.run(
         _MODEL.value, _MODES.value, sizes, _MAX_NEW.value, _PROMPT.value, _ROUNDS.value,
         _REPEATS.value, _WARMUP.value, _TEMP.value, _PROMPTS.value,
         _DRAFT.value if any(m.startswith("draft:") for m in _MODES.value) else "", machine,
-        log=lambda s: print(s, flush=True), mesh=mesh_flags.MESH.value,
-        attention=_ATTN.value, kv_dtype=_KV_DTYPE.value, max_len=_MAX_LEN.value)
+        log=log, mesh=mesh_flags.MESH.value, attention=_ATTN.value, kv_dtype=_KV_DTYPE.value,
+        max_len=_MAX_LEN.value, progress=progress)
   except (ckpt_lib.ModelDirError, ValueError) as e:
     sys.exit(f"mtp-bench: error: {e}")
+  finally:
+    if bar is not None:
+      bar.close()
+  print(benchmark.HEADER)
+  print("\n".join(benchmark.format_row(r) for r in results), flush=True)
   if _OUT.value:
     command = "mtp-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     benchmark.write_outputs(_OUT.value, machine, results, command)
@@ -79,7 +128,7 @@ def main(argv):
 
 def run():
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it reads at INFO
-  app.run(main)
+  app.run(main, flags_parser=checks.flags_parser("mtp-bench"))
 
 
 if __name__ == "__main__":

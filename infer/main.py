@@ -5,23 +5,18 @@
             [--max_new_tokens=N] [--seed=S] [--quiet]
 
 Input lines are plain requests or OpenAI batch request lines (see mtp_jax/batch.py). Rerunning
-with the same --output resumes: ids already written are skipped.
+with the same --output resumes: ids already written are skipped. Flags are checked before JAX is
+imported or the model loaded, so a bad value fails in a moment with one line naming it.
 """
 
-import dataclasses
 import json
 import os
 import sys
 
-import jax
 from absl import app, flags, logging
 
-from infer import mesh_flags
-from mtp_jax import api, batch
-from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax import engine as engine_lib
-from mtp_jax import sharding as sharding_lib
-from mtp_jax.config import ConfigError, DecodeConfig
+from infer import checks, mesh_flags
+from infer.progress import Progress
 
 _MODEL = flags.DEFINE_string("model", None, "A model directory.")
 _INPUT = flags.DEFINE_string("input", None, "JSONL requests.")
@@ -58,7 +53,29 @@ _QUIET = flags.DEFINE_bool("quiet", False, "No progress on stderr.")
 flags.mark_flags_as_required(["model", "input", "output"])
 
 
+def check_flags():
+  """Every flag's value, before anything is loaded: raises checks.FlagError naming the first
+  bad one."""
+  checks.model_dir("model", _MODEL.value)
+  checks.input_file("input", _INPUT.value)
+  checks.output_file("output", _OUTPUT.value)
+  if _COSTS.value:
+    checks.output_file("cost_table", _COSTS.value)
+  checks.int_or_auto("k", _K.value, lo=-1)
+  checks.int_or_auto("batch_size", _BATCH.value, lo=1)
+  checks.number("kv_budget_gb", _BUDGET.value, lo=0)
+  checks.number("max_batch_size", _MAX_BATCH.value, lo=1)
+  checks.number("temperature", _TEMP.value, lo=0)
+  checks.number("top_p", _TOP_P.value, lo=0, lo_open=True, hi=1)
+  checks.number("top_k", _TOP_K.value, lo=0)
+  checks.number("repetition_penalty", _PEN.value, lo=0, lo_open=True)
+  checks.number("max_new_tokens", _MAX_NEW.value, lo=1)
+  checks.number("seed", _SEED.value, lo=0, hi=2**31 - 1)
+  checks.number("max_len", _MAX_LEN.value, lo=0)
+
+
 def _budget_bytes(params) -> int:
+  import jax
   if _BUDGET.value > 0:
     return int(_BUDGET.value * 2**30)
   stats = jax.devices()[0].memory_stats() or {}
@@ -70,59 +87,91 @@ def _budget_bytes(params) -> int:
 def _slots(mcfg, hcfg, dcfg, params, num_requests: int, data: int = 1) -> int:
   """Explicit --batch_size, or the most slots whose decode state fits the budget (per device;
   with a mesh, slots spread over its `data` devices, so the budget is `data` times larger)."""
+  from mtp_jax import engine as engine_lib
   if _BATCH.value != "auto":
-    try:
-      n = int(_BATCH.value)
-    except ValueError:
-      n = 0
-    if n < 1:
-      raise ValueError(f"--batch_size={_BATCH.value}: must be 'auto' or a positive integer")
-    return n
+    return int(_BATCH.value)
   fit = engine_lib.max_slots(mcfg, hcfg, dcfg, _budget_bytes(params) * data)
   want = 1 << max(num_requests - 1, 0).bit_length()
   n = max(1, min(fit, want, _MAX_BATCH.value))
   return max(data, n // data * data)
 
 
+def _decoder():
+  """Loads the model and builds the decoder the job's input needs."""
+  import dataclasses
+  from mtp_jax import api, batch
+  from mtp_jax import checkpoint as ckpt_lib
+  from mtp_jax import sharding as sharding_lib
+  from mtp_jax.config import DecodeConfig
+  mesh_flags.initialize()
+  mesh = None if mesh_flags.MESH.value is None else sharding_lib.make_mesh(mesh_flags.MESH.value)
+  k = _K.value if _K.value == "auto" else int(_K.value)
+  mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(_MODEL.value)
+  adaptive = k == "auto"
+  max_len = _MAX_LEN.value
+  if max_len == 0:
+    need = batch.needed_len(_INPUT.value, tok, _MAX_NEW.value) + hcfg.num + 2
+    max_len = min(mcfg.max_seq_len, -(-need // 128) * 128)
+  dcfg = DecodeConfig(k=-1 if adaptive else k, max_len=max_len, adaptive=adaptive,
+                      attention=_ATTN.value, kv_dtype=_KV_DTYPE.value)
+  dcfg = dataclasses.replace(
+      dcfg, batch_size=_slots(mcfg, hcfg, dcfg, params, batch.count_lines(_INPUT.value),
+                              1 if mesh is None else mesh.shape["data"]))
+  return api.Decoder(mcfg, hcfg, params, tok, dcfg, seed=_SEED.value, mesh=mesh)
+
+
+def _progress_callback(quiet: bool):
+  """run_job's progress callback: a bar of rows with tokens/s and acceptance length."""
+  import time
+  state = {"bar": None, "t0": time.perf_counter()}
+
+  def progress(counts, total):
+    if state["bar"] is None:
+      state["bar"] = Progress(total, "rows", quiet=quiet, desc="mtp-infer")
+      state["t0"] = time.perf_counter()
+    el = max(time.perf_counter() - state["t0"], 1e-9)
+    acc = (counts["tokens"] - counts["completed"]) / max(counts["decode_steps"], 1)
+    state["bar"].update(counts["completed"], tokens_per_s=counts["tokens"] / el,
+                        acceptance_length=acc)
+  return progress, state
+
+
 def main(argv):
   del argv
-  if not os.path.isfile(_INPUT.value):
-    sys.exit(f"mtp-infer: error: input file not found: {_INPUT.value}")
   try:
-    mesh_flags.initialize()
-    mesh = None if mesh_flags.MESH.value is None else sharding_lib.make_mesh(mesh_flags.MESH.value)
-    k = _K.value if _K.value == "auto" else int(_K.value)
-    mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(_MODEL.value)
-    adaptive = k == "auto"
-    max_len = _MAX_LEN.value
-    if max_len == 0:
-      need = batch.needed_len(_INPUT.value, tok, _MAX_NEW.value) + hcfg.num + 2
-      max_len = min(mcfg.max_seq_len, -(-need // 128) * 128)
-    dcfg = DecodeConfig(k=-1 if adaptive else k, max_len=max_len, adaptive=adaptive,
-                        attention=_ATTN.value, kv_dtype=_KV_DTYPE.value)
-    dcfg = dataclasses.replace(
-        dcfg, batch_size=_slots(mcfg, hcfg, dcfg, params, batch.count_lines(_INPUT.value),
-                                  1 if mesh is None else mesh.shape["data"]))
-    dec = api.Decoder(mcfg, hcfg, params, tok, dcfg, seed=_SEED.value, mesh=mesh)
+    check_flags()
+  except checks.FlagError as e:
+    sys.exit(f"mtp-infer: error: {e}")
+  from mtp_jax import batch
+  from mtp_jax import checkpoint as ckpt_lib
+  from mtp_jax import engine as engine_lib
+  from mtp_jax.config import ConfigError
+  say = (lambda s: None) if _QUIET.value else (lambda s: print(s, file=sys.stderr, flush=True))
+  try:
+    dec = _decoder()
   except (ckpt_lib.ModelDirError, ConfigError, ValueError) as e:
     sys.exit(f"mtp-infer: error: {e}")
-  log = None if _QUIET.value else (lambda s: print(s, file=sys.stderr, flush=True))
-  if log:
-    log(f"mtp-infer: {dec.engine.cfg.batch_size} slots of {dec.engine.cfg.max_len} positions, "
-        f"k={_K.value}, "
-        f"decode state {engine_lib.state_bytes(mcfg, hcfg, dec.engine.cfg) / 2**20:.0f} MiB")
-  if adaptive:
+  eng = dec.engine
+  say(f"mtp-infer: {eng.cfg.batch_size} slots of {eng.cfg.max_len} positions, k={_K.value}, "
+      f"decode state {engine_lib.state_bytes(eng.model_cfg, eng.heads_cfg, eng.cfg) / 2**20:.0f}"
+      " MiB")
+  if eng.cfg.adaptive:
+    say("mtp-infer: cost table of --k=auto (measured once per machine and slot count, up to a "
+        "minute; then cached)")
     dec.calibrate(_COSTS.value, force=_CALIBRATE.value)
   defaults = batch.Defaults(_MAX_NEW.value, _TEMP.value, _TOP_P.value, _TOP_K.value, _PEN.value,
                             _SEED.value)
   name = os.path.basename(os.path.normpath(_MODEL.value))
-  summary = batch.run_job(dec, _INPUT.value, _OUTPUT.value, defaults, log, model_name=name)
-  print(json.dumps(summary), file=sys.stderr)
+  progress, state = _progress_callback(_QUIET.value)
+  summary = batch.run_job(dec, _INPUT.value, _OUTPUT.value, defaults, progress, model_name=name)
+  if state["bar"] is not None:
+    state["bar"].close()
+  say(json.dumps(summary))
 
 
 def run():
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it reads at INFO
-  app.run(main)
+  app.run(main, flags_parser=checks.flags_parser("mtp-infer"))
 
 
 if __name__ == "__main__":

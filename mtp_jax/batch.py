@@ -267,10 +267,12 @@ def count_lines(input_path: str) -> int:
     return sum(1 for raw in f if raw.strip())
 
 
-def run_job(decoder, input_path: str, output_path: str, defaults: Defaults, log=None,
+def run_job(decoder, input_path: str, output_path: str, defaults: Defaults, progress=None,
             model_name: str = "mtp-jax") -> dict:
   """Serves every line of input_path not yet in output_path; returns the summary (also written
-  beside the output as OUTPUT.summary.json)."""
+  beside the output as OUTPUT.summary.json). `progress(counts, total)` is called once before
+  decoding and after every finished row: counts holds completed, tokens and decode_steps (row
+  steps) so far, total the rows to decode."""
   t0 = time.perf_counter()
   done_keys = load_done(output_path)
   items = read_items(decoder, input_path, done_keys, defaults)
@@ -286,19 +288,16 @@ def run_job(decoder, input_path: str, output_path: str, defaults: Defaults, log=
         write(record(it, model=model_name))
         counts["errors"] += 1
     t_start = time.perf_counter()
+    if progress:
+      progress(counts, len(served))
 
     def on_done(i, c):
       write(record(served[i], c, model_name))
       counts["completed"] += 1
       counts["tokens"] += len(c.token_ids)
       counts["decode_steps"] += c.steps
-      if log:
-        el = time.perf_counter() - t_start
-        rate = counts["completed"] / el
-        acc = (counts["tokens"] - counts["completed"]) / max(counts["decode_steps"], 1)
-        log(f"{counts['completed']}/{len(served)} rows, {counts['tokens'] / el:.1f} tokens/s, "
-            f"acceptance length {acc:.2f}, "
-            f"ETA {(len(served) - counts['completed']) / max(rate, 1e-9):.0f}s")
+      if progress:
+        progress(counts, len(served))
 
     if served:
       decoder.run([it.request for it in served], on_done=on_done)

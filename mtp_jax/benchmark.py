@@ -300,8 +300,11 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
         temperature: float = 0.0, prompts: str = "", draft_model: str = "",
         machine: dict | None = None, log=print, cost_table: str | None = None,
         mesh: str | None = None, attention: str = DecodeConfig.attention,
-        kv_dtype: str = DecodeConfig.kv_dtype, max_len: int = 0) -> list[Result]:
-  """mesh: a mesh shape ('data:2,model:4') to decode on; None = one device."""
+        kv_dtype: str = DecodeConfig.kv_dtype, max_len: int = 0, progress=None) -> list[Result]:
+  """mesh: a mesh shape ('data:2,model:4') to decode on; None = one device. progress(done,
+  total, what): called after each mode's compile and each timed run (total: all of them)."""
+  done, total = 0, len(batch_sizes) * len(modes) * (1 + repeats)
+  tick = progress or (lambda *a: None)
   mcfg, hcfg, params, tok = load_model(model)
   device_mesh = None if mesh is None else sharding_lib.make_mesh(mesh)
   draft = None
@@ -341,6 +344,8 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
       for _ in range(warmup):
         dec.run(reqs[:b])                                 # host-side helpers warmed too
       decoders[mode] = dec
+      done += 1
+      tick(done, total, f"batch {b} {mode}: compiled in {compile_s[mode]:.0f}s")
     runs = {m: [] for m in modes}
     t_first = time.perf_counter()
     for rep in range(repeats):
@@ -363,6 +368,9 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
             (tm["wall_s"] - tm["wait_s"]) / max(st["steps"], 1) * 1e6, compile_s[mode],
             engine_lib.tree_bytes(dec.params) + state_bytes, stats.get("peak_bytes_in_use"),
             at_s=t0 + dt / 2 - t_first))
+        done += 1
+        tick(done, total, f"batch {b} {mode}: {n / dt:,.0f} tokens/s, acceptance "
+             f"{st['acceptance_length']:.2f}")
     for mode in modes:
       r = summarize(runs[mode], runs.get("vanilla"))
       _roofline(r, decoders[mode], mcfg, hcfg, params, draft, machine,

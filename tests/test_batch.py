@@ -174,8 +174,8 @@ def test_cli_missing_model_or_input_is_one_clear_line(tmp_path):
   inp = tmp_path / "in.jsonl"
   inp.write_text('{"prompt": "x"}\n')
   for args, msg in [([f"--model={tmp_path}/nope", f"--input={inp}"], "nope"),
-                    ([f"--model={tmp_path}", f"--input={tmp_path}/missing.jsonl"],
-                     "input file not found")]:
+                    ([f"--model={ROOT}/pretrained/demo", f"--input={tmp_path}/missing.jsonl"],
+                     "missing.jsonl: no such file")]:
     p = _infer(args + [f"--output={tmp_path}/o.jsonl"])
     _, err = p.communicate(timeout=300)
     assert p.returncode != 0 and msg in err.strip().splitlines()[-1], err

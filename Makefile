@@ -1,8 +1,10 @@
-# The two commands of the README. Both create .venv when it is missing and install the package.
+# The two commands of the README. Both create .venv when it is missing and install the package:
+# `make demo` the package alone, `make test` with the test extras (pytest, torch, transformers).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+BASE := $(VENV)/.installed
+TEST := $(VENV)/.installed-test
 
 .PHONY: test demo install clean
 
@@ -10,18 +12,20 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(STAMP): $(BIN)/python pyproject.toml
+$(BASE): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q -e .
+	touch $(BASE)
+
+$(TEST): $(BASE)
 	$(BIN)/pip install -q -e '.[test,hf-test]'
-	touch $(STAMP)
+	touch $(TEST)
 
-install: $(STAMP)
+install: $(BASE)
 
-test: $(STAMP)
+test: $(TEST)
 	$(BIN)/python -m pytest -q -n 2 tests
 
-demo: $(STAMP)
-	mkdir -p out && rm -f out/demo.jsonl
-	$(BIN)/mtp-infer --model=pretrained/demo --input=infer/demo_prompts.jsonl --output=out/demo.jsonl --max_new_tokens=96
+demo: $(BASE)
 	$(BIN)/python -m infer.demo --model=pretrained/demo
 
 clean:

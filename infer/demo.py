@@ -1,57 +1,187 @@
-"""`make demo`: complete a few shipped code prompts with the demo model, decoded speculatively
-with its MTP heads, and check the text against plain greedy decoding.
+"""`make demo`: what speculative decoding with the model's MTP heads buys, measured side by side.
 
-  python -m infer.demo --model=pretrained/demo [--prompts=infer/demo_prompts.jsonl] [--k=3]
+  python -m infer.demo [--model=pretrained/demo] [--k=3] [--repeats=5] [--batch_size=16]
+
+1. One stream (one slot: a person waiting for a completion): the prompts of --prompts (openings
+   of standard-library functions the demo model's data split held out) decoded greedily with k
+   drafts per step and plainly. After an untimed run each, --repeats timed runs alternate between
+   the two (in swapped order every other repeat), and the speedup is the median of the paired
+   time ratios. The tokens must be identical.
+2. A batch job (mtp-infer's code path: batch.run_job) over --batch_prompts at --batch_size slots,
+   where on a CPU drafting costs nearly as much as it saves: --k=auto against plain decoding,
+   alternating the same way; adaptive k should hold at or above plain.
+3. A sampled completion (temperature, top-p, repetition penalty) beside the greedy one: greedy
+   decoding of a 4M-parameter model soon repeats itself.
 """
 
 import json
+import os
+import statistics
 import sys
 import time
 
 from absl import app, flags, logging
 
-from mtp_jax import api
-from mtp_jax import checkpoint as ckpt_lib
+from infer import checks
 
 _MODEL = flags.DEFINE_string("model", "pretrained/demo", "A model directory.")
-_PROMPTS = flags.DEFINE_string("prompts", "infer/demo_prompts.jsonl", "JSONL with 'prompt' fields.")
+_PROMPTS = flags.DEFINE_string("prompts", "infer/demo_prompts.jsonl", "Single-stream prompts.")
+_BATCH_PROMPTS = flags.DEFINE_string("batch_prompts", "infer/demo_batch.jsonl",
+                                     "Prompts of the batch job (mtp-infer's input form).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 96, "Tokens to generate per prompt.")
-_K = flags.DEFINE_integer("k", -1, "Drafts per step (-1: all heads).")
+_K = flags.DEFINE_integer("k", 3, "Drafts per step of the single-stream speculative decoder.")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed single-stream runs of each decoder.")
+_BATCH = flags.DEFINE_integer("batch_size", 16, "Slots of the batch job.")
+_BATCH_REPEATS = flags.DEFINE_integer("batch_repeats", 3, "Timed batch jobs of each decoder.")
+_OUT = flags.DEFINE_string("out", "out", "Directory for the batch jobs' outputs.")
+
+_T0 = time.perf_counter()
 
 
-def _timed(dec, prompts):
-  dec.warmup(max(len(dec.tokenizer.encode(p)) for p in prompts))
+def say(msg: str):
+  print(f"[{time.perf_counter() - _T0:4.0f}s] {msg}", flush=True)
+
+
+def _prompts(path: str) -> list[dict]:
+  return [json.loads(line) for line in open(path) if line.strip()]
+
+
+def _tokens_per_step(outs) -> float:
+  """Tokens a row gets per decode step (the first token comes from prefill), as mtp-infer
+  reports it."""
+  return sum(len(o.token_ids) - 1 for o in outs) / max(sum(o.steps for o in outs), 1)
+
+
+def _timed(dec, reqs):
   t0 = time.perf_counter()
-  outs = dec.generate(prompts, max_new_tokens=_MAX_NEW.value)
+  outs = dec.run(reqs)
   return outs, time.perf_counter() - t0
+
+
+def single_stream(model: str, prompts: list[str], max_len: int):
+  """-> (rows of the table, the speculative decoder, its greedy completions)."""
+  from mtp_jax import api
+  spec = api.Decoder.load(model, batch_size=1, k=_K.value, max_len=max_len)
+  plain = api.Decoder.load(model, batch_size=1, k=0, max_len=max_len)
+  reqs = [api.Request(spec.tokenizer.encode(p), _MAX_NEW.value) for p in prompts]
+  say(f"one stream: compiling, then a warm-up run of each decoder over {len(prompts)} prompts")
+  _timed(spec, reqs)
+  _timed(plain, reqs)
+  say(f"one stream: {_REPEATS.value} alternating timed runs of each")
+  times = {"spec": [], "plain": []}
+  same = True
+  for r in range(_REPEATS.value):
+    for name in (("spec", "plain") if r % 2 == 0 else ("plain", "spec")):
+      outs, dt = _timed(spec if name == "spec" else plain, reqs)
+      times[name].append(dt)
+      if name == "spec":
+        spec_outs = outs
+      else:
+        plain_outs = outs
+    same &= all(a.token_ids == b.token_ids for a, b in zip(spec_outs, plain_outs))
+  tokens = sum(len(o.token_ids) for o in spec_outs)
+  ratio = statistics.median(p / s for p, s in zip(times["plain"], times["spec"]))
+  rows = [("plain greedy", 1, tokens / statistics.median(times["plain"]), 1.0, None, None),
+          (f"speculative, k={spec.engine.kd}", 1, tokens / statistics.median(times["spec"]),
+           _tokens_per_step(spec_outs), ratio, same)]
+  return rows, spec, spec_outs
+
+
+def _job(dec, inp: str, out: str):
+  from mtp_jax import batch
+  for path in (out, out + ".summary.json"):
+    if os.path.exists(path):
+      os.remove(path)
+  summary = batch.run_job(dec, inp, out, batch.Defaults(max_new_tokens=_MAX_NEW.value))
+  with open(out) as f:
+    texts = {r["id"]: r["text"] for r in map(json.loads, f)}
+  return summary, texts
+
+
+def batch_job(model: str, inp: str, max_len: int):
+  """Plain decoding and --k=auto as batch jobs over the same input, alternating."""
+  from mtp_jax import api
+  os.makedirs(_OUT.value, exist_ok=True)
+  n = _BATCH.value
+  plain = api.Decoder.load(model, batch_size=n, k=0, max_len=max_len)
+  auto = api.Decoder.load(model, batch_size=n, k="auto", max_len=max_len)
+  say(f"batch job, {n} slots, --k=auto: the cost table of this machine (measured once per slot "
+      "count, up to a minute; cached in ~/.cache/mtp_jax)")
+  auto.calibrate()
+  decs = {"plain": plain, "auto": auto}
+  outs = {name: os.path.join(_OUT.value, f"demo_batch.{name}.jsonl") for name in decs}
+  say(f"batch job: compiling, then a warm-up job of each decoder over "
+      f"{len(_prompts(inp))} prompts")
+  for name in decs:
+    _job(decs[name], inp, outs[name])
+  say(f"batch job: {_BATCH_REPEATS.value} alternating timed jobs of each")
+  runs = {"plain": [], "auto": []}
+  for r in range(_BATCH_REPEATS.value):
+    for name in (("auto", "plain") if r % 2 == 0 else ("plain", "auto")):
+      runs[name].append(_job(decs[name], inp, outs[name]))
+  tps = {k: [s["tokens_per_s"] for s, _ in v] for k, v in runs.items()}
+  ratio = statistics.median(a / p for a, p in zip(tps["auto"], tps["plain"]))
+  same = all(a[1] == p[1] for a, p in zip(runs["auto"], runs["plain"]))
+  acc = statistics.median(s["acceptance_length"] for s, _ in runs["auto"])
+  return [("plain greedy, batch job", n, statistics.median(tps["plain"]), 1.0, None, None),
+          ("--k=auto, batch job", n, statistics.median(tps["auto"]), acc, ratio, same)]
+
+
+def sampled_example(spec, prompt: str, greedy_text: str):
+  say("sampling: temperature 0.8, top-p 0.95, repetition penalty 1.3 (compiles the sampled step)")
+  c = spec.generate([prompt], max_new_tokens=_MAX_NEW.value, temperature=0.8, top_p=0.95,
+                    repetition_penalty=1.3, seed=1)[0]
+  bold = lambda s: f"\x1b[1m{s}\x1b[0m" if sys.stdout.isatty() else s
+  print("-" * 72 + f"\n(greedy)\n{prompt}{bold(greedy_text)}\n" + "-" * 72
+        + "\n(the same prompt, sampled)\n" + f"{prompt}{bold(c.text)}\n" + "-" * 72)
+
+
+def table(rows) -> str:
+  head = f"{'mode':<28} {'slots':>5} {'tokens/s':>9} {'tokens/step':>11} {'speedup':>8} identical"
+  lines = [head, "-" * len(head)]
+  for mode, slots, tps, tpstep, ratio, same in rows:
+    lines.append(f"{mode:<28} {slots:>5} {tps:>9,.0f} {tpstep:>11.2f} "
+                 f"{'-' if ratio is None else f'{ratio:.2f}x':>8} "
+                 f"{'-' if same is None else 'yes' if same else 'NO'}")
+  return "\n".join(lines)
 
 
 def main(argv):
   del argv
   try:
-    prompts = [json.loads(l)["prompt"] for l in open(_PROMPTS.value) if l.strip()]
-    spec = api.Decoder.load(_MODEL.value, batch_size=len(prompts), k=_K.value)
-    plain = api.Decoder.load(_MODEL.value, batch_size=len(prompts), k=0)
-  except (ckpt_lib.ModelDirError, OSError, KeyError, json.JSONDecodeError) as e:
+    checks.model_dir("model", _MODEL.value)
+    checks.input_file("prompts", _PROMPTS.value)
+    checks.input_file("batch_prompts", _BATCH_PROMPTS.value)
+    for name, flag in (("repeats", _REPEATS), ("batch_repeats", _BATCH_REPEATS),
+                       ("batch_size", _BATCH), ("max_new_tokens", _MAX_NEW), ("k", _K)):
+      checks.number(name, flag.value, lo=1)
+    checks.output_dir("out", _OUT.value)
+  except checks.FlagError as e:
     sys.exit(f"mtp-demo: error: {e}")
-  outs, dt = _timed(spec, prompts)
-  base, dt0 = _timed(plain, prompts)
-  for p, o in zip(prompts, outs):
-    print("=" * 72 + f"\n{p}\x1b[1m{o.text}\x1b[0m\n[{o.finish_reason}; "
-          f"{len(o.token_ids)} tokens in {o.steps} steps: {o.acceptance_length:.2f} per step]")
-  same = all(a.token_ids == b.token_ids for a, b in zip(outs, base))
-  n = sum(len(o.token_ids) for o in outs)
-  st = spec.last_stats
-  print("=" * 72)
-  print(f"speculative (k={spec.engine.kd}): {n / dt:.0f} tokens/s, acceptance length "
-        f"{st['acceptance_length']:.2f}, per-position acceptance "
-        + " ".join(f"{x:.2f}" for x in st["acceptance_rate_per_position"]))
-  print(f"plain greedy:      {sum(len(o.token_ids) for o in base) / dt0:.0f} tokens/s "
-        f"-> speedup {dt0 / dt:.2f}x; identical output: {same}")
-  if not same:
+  from mtp_jax import checkpoint as ckpt_lib
+  say(f"loading {_MODEL.value}")
+  mcfg, hcfg, _, tok = ckpt_lib.load_model_dir(_MODEL.value)
+  prompts = [p["prompt"] for p in _prompts(_PROMPTS.value)]
+  longest = max(len(tok.encode(p["prompt"]))
+                for p in _prompts(_PROMPTS.value) + _prompts(_BATCH_PROMPTS.value))
+  # The cache a row can reach, rounded up as mtp-infer rounds it.
+  max_len = min(mcfg.max_seq_len, -(-(longest + _MAX_NEW.value + hcfg.num + 2) // 128) * 128)
+  rows, spec, outs = single_stream(_MODEL.value, prompts, max_len)
+  for p, o in zip(prompts[1:3], outs[1:3]):
+    print("-" * 72 + f"\n(greedy, {_tokens_per_step([o]):.2f} tokens a step)\n{p}{o.text}")
+  sampled_example(spec, prompts[0], outs[0].text)
+  rows += batch_job(_MODEL.value, _BATCH_PROMPTS.value, max_len)
+  print("\n" + table(rows))
+  print(f"\ntokens/s: median of the timed runs; speedup: median ratio to plain decoding in "
+        f"alternating runs; tokens/step: tokens a row gets per decode step. "
+        f"{time.perf_counter() - _T0:.0f}s in all.\nTimings scatter by ~10% on a busy or shared "
+        "CPU; the same batch job from the command line:\n  mtp-infer --model=pretrained/demo "
+        f"--input={_BATCH_PROMPTS.value} --output=out/batch.jsonl --k=auto "
+        f"--batch_size={_BATCH.value} --max_new_tokens={_MAX_NEW.value}")
+  if not all(r[5] is not False for r in rows):
     sys.exit("mtp-demo: error: speculative output differs from plain greedy decoding")
 
 
 if __name__ == "__main__":
   logging.set_verbosity(logging.WARNING)
-  app.run(main)
+  app.run(main, flags_parser=checks.flags_parser("mtp-demo"))

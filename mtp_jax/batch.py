@@ -308,7 +308,11 @@ def run_job(decoder, input_path: str, output_path: str, defaults: Defaults, prog
              "k": "auto" if decoder.engine.cfg.adaptive else decoder.engine.kd,
              "wall_s": round(wall, 3), "decode_wall_s": round(decode_wall, 3),
              "tokens_per_s": round(counts["tokens"] / decode_wall, 2) if served else 0.0,
-             "acceptance_length": stats.get("acceptance_length"),
+             # Per row step over every row of the job, as the progress line shows it (the
+             # decoder's stats are per slot, reset when a slot is refilled).
+             "acceptance_length": (round((counts["tokens"] - counts["completed"])
+                                         / max(counts["decode_steps"], 1), 4)
+                                   if served else None),
              "acceptance_rate_per_position": stats.get("acceptance_rate_per_position")}
   with open(output_path + ".summary.json", "w") as f:
     json.dump(summary, f, indent=2)

@@ -28,7 +28,8 @@ _MODEL = flags.DEFINE_string("model", "pretrained/demo", "A model directory.")
 _PROMPTS = flags.DEFINE_string("prompts", "infer/demo_prompts.jsonl", "Single-stream prompts.")
 _BATCH_PROMPTS = flags.DEFINE_string("batch_prompts", "infer/demo_batch.jsonl",
                                      "Prompts of the batch job (mtp-infer's input form).")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 96, "Tokens to generate per prompt.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 192, "Tokens per single-stream completion.")
+_BATCH_MAX_NEW = flags.DEFINE_integer("batch_max_new_tokens", 96, "Tokens per batch-job row.")
 _K = flags.DEFINE_integer("k", 3, "Drafts per step of the single-stream speculative decoder.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed single-stream runs of each decoder.")
 _BATCH = flags.DEFINE_integer("batch_size", 16, "Slots of the batch job.")
@@ -44,6 +45,12 @@ def say(msg: str):
 
 def _prompts(path: str) -> list[dict]:
   return [json.loads(line) for line in open(path) if line.strip()]
+
+
+def _clip(text: str, lines: int = 10) -> str:
+  """The first lines of a completion: enough to read, not a screenful."""
+  kept = text.split("\n")
+  return "\n".join(kept[:lines]) + (" [...]" if len(kept) > lines else "")
 
 
 def _tokens_per_step(outs) -> float:
@@ -92,7 +99,7 @@ def _job(dec, inp: str, out: str):
   for path in (out, out + ".summary.json"):
     if os.path.exists(path):
       os.remove(path)
-  summary = batch.run_job(dec, inp, out, batch.Defaults(max_new_tokens=_MAX_NEW.value))
+  summary = batch.run_job(dec, inp, out, batch.Defaults(max_new_tokens=_BATCH_MAX_NEW.value))
   with open(out) as f:
     texts = {r["id"]: r["text"] for r in map(json.loads, f)}
   return summary, texts
@@ -132,8 +139,8 @@ def sampled_example(spec, prompt: str, greedy_text: str):
   c = spec.generate([prompt], max_new_tokens=_MAX_NEW.value, temperature=0.8, top_p=0.95,
                     repetition_penalty=1.3, seed=1)[0]
   bold = lambda s: f"\x1b[1m{s}\x1b[0m" if sys.stdout.isatty() else s
-  print("-" * 72 + f"\n(greedy)\n{prompt}{bold(greedy_text)}\n" + "-" * 72
-        + "\n(the same prompt, sampled)\n" + f"{prompt}{bold(c.text)}\n" + "-" * 72)
+  print("-" * 72 + f"\n(greedy)\n{prompt}{bold(_clip(greedy_text))}\n" + "-" * 72
+        + "\n(the same prompt, sampled)\n" + f"{prompt}{bold(_clip(c.text))}\n" + "-" * 72)
 
 
 def table(rows) -> str:
@@ -153,7 +160,8 @@ def main(argv):
     checks.input_file("prompts", _PROMPTS.value)
     checks.input_file("batch_prompts", _BATCH_PROMPTS.value)
     for name, flag in (("repeats", _REPEATS), ("batch_repeats", _BATCH_REPEATS),
-                       ("batch_size", _BATCH), ("max_new_tokens", _MAX_NEW), ("k", _K)):
+                       ("batch_size", _BATCH), ("max_new_tokens", _MAX_NEW),
+                       ("batch_max_new_tokens", _BATCH_MAX_NEW), ("k", _K)):
       checks.number(name, flag.value, lo=1)
     checks.output_dir("out", _OUT.value)
   except checks.FlagError as e:
@@ -162,22 +170,25 @@ def main(argv):
   say(f"loading {_MODEL.value}")
   mcfg, hcfg, _, tok = ckpt_lib.load_model_dir(_MODEL.value)
   prompts = [p["prompt"] for p in _prompts(_PROMPTS.value)]
-  longest = max(len(tok.encode(p["prompt"]))
-                for p in _prompts(_PROMPTS.value) + _prompts(_BATCH_PROMPTS.value))
-  # The cache a row can reach, rounded up as mtp-infer rounds it.
-  max_len = min(mcfg.max_seq_len, -(-(longest + _MAX_NEW.value + hcfg.num + 2) // 128) * 128)
-  rows, spec, outs = single_stream(_MODEL.value, prompts, max_len)
+
+  def max_len(path, max_new):
+    """The cache a row can reach, rounded up as mtp-infer rounds it."""
+    longest = max(len(tok.encode(p["prompt"])) for p in _prompts(path))
+    return min(mcfg.max_seq_len, -(-(longest + max_new + hcfg.num + 2) // 128) * 128)
+
+  rows, spec, outs = single_stream(_MODEL.value, prompts, max_len(_PROMPTS.value, _MAX_NEW.value))
   for p, o in zip(prompts[1:3], outs[1:3]):
-    print("-" * 72 + f"\n(greedy, {_tokens_per_step([o]):.2f} tokens a step)\n{p}{o.text}")
+    print("-" * 72 + f"\n(greedy, {_tokens_per_step([o]):.2f} tokens a step)\n{p}{_clip(o.text)}")
   sampled_example(spec, prompts[0], outs[0].text)
-  rows += batch_job(_MODEL.value, _BATCH_PROMPTS.value, max_len)
+  rows += batch_job(_MODEL.value, _BATCH_PROMPTS.value,
+                    max_len(_BATCH_PROMPTS.value, _BATCH_MAX_NEW.value))
   print("\n" + table(rows))
   print(f"\ntokens/s: median of the timed runs; speedup: median ratio to plain decoding in "
         f"alternating runs; tokens/step: tokens a row gets per decode step. "
         f"{time.perf_counter() - _T0:.0f}s in all.\nTimings scatter by ~10% on a busy or shared "
         "CPU; the same batch job from the command line:\n  mtp-infer --model=pretrained/demo "
         f"--input={_BATCH_PROMPTS.value} --output=out/batch.jsonl --k=auto "
-        f"--batch_size={_BATCH.value} --max_new_tokens={_MAX_NEW.value}")
+        f"--batch_size={_BATCH.value} --max_new_tokens={_BATCH_MAX_NEW.value}")
   if not all(r[5] is not False for r in rows):
     sys.exit("mtp-demo: error: speculative output differs from plain greedy decoding")
 

@@ -28,15 +28,12 @@ worse, also where that was longer ago than the window.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import time
 from statistics import NormalDist
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from mtp_jax import ring as ring_lib
 
@@ -75,6 +72,115 @@ PROFILE_PRIOR_TRIALS = 64.0   # a bucket's trials after which its own rate outwe
 PROFILE_KEEP = 4096.0         # the stored counts are scaled to at most this many trials
 
 
+@struct.dataclass
+class Controller:
+  """The controller's own state in the decode state (adaptive engines only): the cost table,
+  the host's settings, the segment bookkeeping, the prior from earlier runs and the acceptance
+  counts the steps feed it (observe)."""
+  cost: jax.Array          # [Kd+1] seconds per step with k drafts
+  k_force: jax.Array       # [] -1: the controller chooses k; else this k (calibration)
+  closed: jax.Array        # [] bool: no request waits for a slot (the controller then aims at
+                           # the end of the job rather than tokens per second)
+  probe_gap: jax.Array     # [] plain segments between probes (probe_every at the start,
+                           # doubling while probes find nothing worth drafting; accept_window
+                           # steps after k > 0)
+  plain_segs: jax.Array    # [] plain segments ended since the last probe or drafting segment
+  seg_k: jax.Array         # [] k of the current segment (a call that begins inside a segment
+                           # continues it)
+  prior_rate: jax.Array    # [Kd] acceptance per draft position from earlier runs (-1: unknown;
+                           # the controller's prior before the ring has counts), a level
+  profile: jax.Array       # [N] f32: g per output-position bucket, from earlier runs (all ones:
+                           # flat; see PROFILE_TOKENS)
+  cond_weight: jax.Array   # [Kd] f32: the run's trials (Record.cond_trials), each weighed by
+                           # the profile's g at the row's output position (cond_hits /
+                           # cond_weight: the run's level)
+  pos_trials: jax.Array    # [N] int32: first-position trials per output-position bucket
+  pos_hits: jax.Array      # [N] int32: and hits there (run_profile)
+  row_hits: jax.Array      # [B, Kd] f32: the row's drafts accepted per position, since its
+                           # insert, decaying over ROW_MEMORY_STEPS steps
+  row_trials: jax.Array    # [B, Kd] f32: the same for the drafts verified (reached) there
+
+
+def init_controller(b: int, kd: int, cost, probe_every: int) -> Controller:
+  return Controller(
+      cost=jnp.asarray(cost, jnp.float32), k_force=jnp.asarray(-1, jnp.int32),
+      closed=jnp.asarray(False), probe_gap=jnp.asarray(probe_every, jnp.int32),
+      plain_segs=jnp.zeros((), jnp.int32), seg_k=jnp.zeros((), jnp.int32),
+      prior_rate=jnp.full((kd,), -1.0, jnp.float32),
+      profile=jnp.ones((PROFILE_BUCKETS,), jnp.float32),
+      cond_weight=jnp.zeros((kd,), jnp.float32),
+      pos_trials=jnp.zeros((PROFILE_BUCKETS,), jnp.int32),
+      pos_hits=jnp.zeros((PROFILE_BUCKETS,), jnp.int32),
+      row_hits=jnp.zeros((b, kd), jnp.float32), row_trials=jnp.zeros((b, kd), jnp.float32))
+
+
+def reset_rows(ctrl: Controller, slots) -> Controller:
+  """Newly inserted rows start with no memory of their own."""
+  return ctrl.replace(row_hits=ctrl.row_hits.at[slots].set(0.0),
+                      row_trials=ctrl.row_trials.at[slots].set(0.0))
+
+
+def observe(ctrl: Controller, reached_BK, hit_BK, out_pos_B) -> Controller:
+  """One step's acceptance into the controller's counts: reached_BK, which drafts were verified
+  with every draft before them accepted (a row's warm-up steps left out), hit_BK, which of those
+  were accepted, out_pos_B, each row's output tokens before the step. Trials weigh g at the
+  row's output position (a level), the first position's counts go to its bucket (the next run's
+  profile), and the same per row, decaying."""
+  g = profile_weight(ctrl.profile, out_pos_B)[:, None]                       # [B, 1]
+  pos_trials, pos_hits = ctrl.pos_trials, ctrl.pos_hits
+  if reached_BK.shape[1]:
+    bucket = profile_bucket(out_pos_B)
+    pos_trials = pos_trials.at[bucket].add(reached_BK[:, 0].astype(jnp.int32))
+    pos_hits = pos_hits.at[bucket].add(hit_BK[:, 0].astype(jnp.int32))
+  decay = 1.0 - 1.0 / ROW_MEMORY_STEPS
+  return ctrl.replace(
+      cond_weight=ctrl.cond_weight + jnp.sum(reached_BK.astype(jnp.float32) * g, 0),
+      pos_trials=pos_trials, pos_hits=pos_hits,
+      row_hits=ctrl.row_hits * decay + hit_BK.astype(jnp.float32),
+      row_trials=ctrl.row_trials * decay + reached_BK.astype(jnp.float32) * g)
+
+
+def choose(state, limit_B, allowed_K1, window: int, warmup: int, margin: float):
+  """The controller's k for the next step, on the device, from the decode state (its ring, rows,
+  drafts' confidences and the controller's own state): argmax of expected tokens per second
+  while requests wait, the expected end of the last row once none waits (closed); a forced k
+  (k_force) becomes the largest allowed k not above it. limit_B: per row, the drafts it may be
+  expected to verify (none without a fresh draft)."""
+  c, rows = state.controller, state.rows
+  kd = state.drafts.tokens.shape[1]
+  # Every count is a level (weighed by the profile where it was made); the estimate for the
+  # steps ahead is the level times g there: at the row's output position for the next step,
+  # the mean over its tokens still to come once none waits (future_gain).
+  hits_b, trials_b = row_window(state.record.ring, state.record.step, window, kd, warmup,
+                                c.profile)
+  rate, trials = other_rows_rates(hits_b, trials_b)
+  # A row's own counts: the window's at the first position, which every drafting step tries;
+  # past it, the longer memory (row_hits / row_trials), since those positions get trials only
+  # while the controller drafts that far: forgetting them after accept_window steps sent it
+  # back to drafting that far every few segments, at the cost of a wasted segment each time.
+  # Once none waits, what counts is when the last rows finish, and a row lags because it
+  # drafted worse, also longer ago than the window: the memory then serves the first position
+  # too (with the window there, the controller took the rows that lagged at 256 slots for
+  # average ones and drafted the last 30-40 steps of a job, at a loss).
+  first_hits = jnp.where(c.closed, c.row_hits[:, :1], hits_b[:, :1])
+  first_trials = jnp.where(c.closed, c.row_trials[:, :1], trials_b[:, :1])
+  own_hits = jnp.concatenate([first_hits, c.row_hits[:, 1:]], 1)
+  own_trials = jnp.concatenate([first_trials, c.row_trials[:, 1:]], 1)
+  remaining, out_pos = rows.remaining, rows.out_pos
+  g_now = profile_weight(c.profile, out_pos)
+  gain = jnp.where(c.closed, future_gain(c.profile, out_pos, remaining), g_now)
+  alpha = row_alpha(rate, trials, state.drafts.conf / g_now[:, None], limit_B, own_hits,
+                    own_trials, c.prior_rate, gain)
+  active = ~rows.done
+  k = jnp.where(c.closed,
+                choose_k_to_finish(c.cost, alpha, active, remaining, margin, allowed_K1,
+                                   finish_sd(alpha, own_trials, remaining)),
+                choose_k(c.cost, expected_emitted(alpha, active), margin, allowed_K1))
+  forced = jnp.max(jnp.where(allowed_K1 & (jnp.arange(kd + 1) <= c.k_force),
+                             jnp.arange(kd + 1), 0))
+  return jnp.where(c.k_force >= 0, forced, k).astype(jnp.int32)
+
+
 def profile_bucket(pos):
   """Output tokens before a step -> the profile's bucket (int32, same shape)."""
   return jnp.minimum(jnp.asarray(pos, jnp.int32) // PROFILE_TOKENS, PROFILE_BUCKETS - 1)
@@ -98,30 +204,6 @@ def future_gain(profile_N, pos_B, remaining_B):
   n = jnp.sum(overlap, 1)
   mean = jnp.sum(overlap * profile_N[None], 1) / jnp.maximum(n, 1)
   return jnp.where(n > 0, mean, profile_weight(profile_N, pos_B)).astype(jnp.float32)
-
-
-def run_profile(trials_N, hits_N) -> list[float]:
-  """g per bucket from first-position counts per output-position bucket (DecodeState.pos_trials
-  / pos_hits, summed over runs): each bucket's rate, pulled towards the whole rate by
-  PROFILE_PRIOR_TRIALS, over the whole rate, scaled so that the trials' mean g is 1. All ones
-  (a flat profile) without counts. Host side."""
-  t, h = np.asarray(trials_N, float), np.asarray(hits_N, float)
-  if t.sum() <= 0 or h.sum() <= 0:
-    return [1.0] * len(t)
-  whole = h.sum() / t.sum()
-  g = (h + PROFILE_PRIOR_TRIALS * whole) / (t + PROFILE_PRIOR_TRIALS) / whole
-  g = g / (np.sum(t * g) / t.sum())
-  return [float(x) for x in np.clip(g, 0.25, 4.0)]
-
-
-def merge_profile_counts(old, new):
-  """Stored (trials, hits) per bucket plus a run's, scaled to at most PROFILE_KEEP trials in
-  all: earlier runs keep their say (a run that drafted only in its rows' first tokens does not
-  erase what longer drafting showed), and the profile still follows a change. Host side."""
-  t = np.asarray(new[0], float) + (0.0 if old is None else np.asarray(old[0], float))
-  h = np.asarray(new[1], float) + (0.0 if old is None else np.asarray(old[1], float))
-  scale = min(1.0, PROFILE_KEEP / max(t.sum(), 1.0))
-  return [round(float(x), 2) for x in t * scale], [round(float(x), 2) for x in h * scale]
 
 
 def row_window(ring: ring_lib.Ring, step, window: int, k_max: int, warmup: int = 0,
@@ -240,19 +322,6 @@ def finish_sd(alpha_BK, row_trials_BK, remaining_B):
   return jnp.sqrt(row_sd(alpha_BK, row_trials_BK) ** 2 + noise)
 
 
-def run_rates(trials_K, hits_K, min_trials: int = 16) -> list[float]:
-  """Per draft position, the conditional acceptance rate of a finished run from its counters
-  (DecodeState.cond_trials / cond_hits): P(accept i | verified there with every draft before it
-  accepted), -1 where fewer than min_trials such drafts were verified. (Drafts accepted / drafts
-  verified per position would not do where k changed during the run: a later position is
-  verified only in the run's steps that draft that far, its position before in every drafting
-  step.) Host side; the next run's prior."""
-  out = []
-  for r, a in zip(np.asarray(trials_K, float), np.asarray(hits_K, float)):
-    out.append(float(np.clip(a / r, 0.0, 1.0)) if r >= min_trials else -1.0)
-  return out
-
-
 def row_expected(alpha_BK):
   """-> [B, K+1]: per row, E[emitted tokens | k drafts], k = 0..K (leading axes: any)."""
   run = jnp.cumprod(alpha_BK, axis=-1)                                     # P(first j accepted)
@@ -323,190 +392,3 @@ def choose_k_to_finish(cost_K1, alpha_BK, active_B, remaining_B, margin: float =
     t = jnp.where(allowed_K1, t, jnp.inf)
   best = jnp.argmin(t)
   return jnp.where(t[best] * (1.0 + margin) < t[0], best, 0).astype(jnp.int32)
-
-
-# ----------------------------------------------------------------------------- the cost table
-
-
-def _code_version() -> str:
-  """A hash of the modules a step's cost and its measurement depend on (this one included): a
-  table measured by other code is stale."""
-  from mtp_jax import engine as engine_mod, model as model_mod, sampling as sampling_mod
-  h = hashlib.sha1()
-  for path in (engine_mod.__file__, model_mod.__file__, sampling_mod.__file__, ring_lib.__file__,
-               __file__):
-    with open(path, "rb") as f:
-      h.update(f.read())
-  return h.hexdigest()[:8]
-
-
-def _runtime() -> str:
-  """What else sets a step's cost on the same device kind: the jax version, the XLA flags, the
-  devices and (on CPU) the cores this process may use. A table measured with one XLA thread is
-  wrong for a run with two, and the reverse."""
-  try:
-    cores = len(os.sched_getaffinity(0))
-  except AttributeError:            # not on Linux
-    cores = os.cpu_count()
-  flags = hashlib.sha1(os.environ.get("XLA_FLAGS", "").encode()).hexdigest()[:8]
-  return f"jax={jax.__version__}|devices={jax.device_count()}|cores={cores}|xla_flags={flags}"
-
-
-def table_key(engine) -> str:
-  m, d = engine.model_cfg, engine.cfg
-  dev = jax.devices()[0]
-  model = hashlib.sha1(repr((m, engine.heads_cfg)).encode()).hexdigest()[:12]
-  return f"{dev.platform}:{getattr(dev, 'device_kind', '')}|model={model}|slots={d.batch_size}" \
-         f"|max_len={d.max_len}|k_max={engine.kd}|adapt_every={d.adapt_every}" \
-         f"|code={_code_version()}|{_runtime()}"
-
-
-def default_table_path() -> str:
-  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-  return os.path.join(base, "mtp_jax", "cost_tables.json")
-
-
-def _load_entry(path: str, key: str):
-  try:
-    with open(path) as f:
-      return json.load(f).get(key)
-  except (OSError, json.JSONDecodeError, AttributeError):
-    return None
-
-
-def _save_entry(path: str, key: str, entry: dict):
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  try:
-    with open(path) as f:
-      tables = json.load(f)
-  except (OSError, json.JSONDecodeError):
-    tables = {}
-  if not isinstance(tables, dict):
-    tables = {}
-  tables[key] = {**entry, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
-  tmp = f"{path}.{os.getpid()}.tmp"
-  with open(tmp, "w") as f:
-    json.dump(tables, f, indent=2)
-  os.replace(tmp, path)
-
-
-def load_table(path: str, key: str):
-  entry = _load_entry(path, key)
-  return None if entry is None else [float(x) for x in entry["cost_s"]]
-
-
-def save_table(path: str, key: str, cost: list[float], **info):
-  _save_entry(path, key, {"cost_s": cost, **info})
-
-
-# ----------------------------------------------------------------------------- stored acceptance
-
-
-def params_fingerprint(params) -> str:
-  """A short hash of the weights (each leaf's shape, dtype and the first 64 values of its first
-  row): acceptance is a property of the trained heads, and two models of one config accept
-  differently. Reads a few values per leaf, never a whole (possibly sharded) array."""
-  h = hashlib.sha1()
-  for leaf in jax.tree.leaves(params):
-    leaf = jnp.asarray(leaf)
-    row = leaf[(0,) * (leaf.ndim - 1)] if leaf.ndim else leaf[None]
-    head = np.asarray(jax.device_get(row[:64]), np.float32)
-    h.update(repr((leaf.shape, str(leaf.dtype))).encode())
-    h.update(head.tobytes())
-  return h.hexdigest()[:12]
-
-
-def rates_key(engine, fingerprint: str, sampled: bool) -> str:
-  """Key of a model's measured acceptance per draft position in the tables file: the weights,
-  the drafter and K_max, greedy or sampled (rejection sampling accepts less), but not the
-  device or the slot count (acceptance is the model's and the text's, not the machine's)."""
-  return (f"acceptance|weights={fingerprint}|drafter={engine.drafter}|k_max={engine.kd}"
-          f"|{'sampled' if sampled else 'greedy'}")
-
-
-def load_rates(path: str, key: str) -> list[float] | None:
-  """The stored acceptance per draft position (-1 where unknown), or None."""
-  entry = _load_entry(path, key)
-  try:
-    return [float(x) for x in entry["rates"]]
-  except (KeyError, TypeError, ValueError):
-    return None
-
-
-def load_profile(path: str, key: str):
-  """The stored profile counts (trials, hits) per output-position bucket, or None."""
-  entry = _load_entry(path, key)
-  try:
-    t, h = [float(x) for x in entry["profile_trials"]], [float(x) for x in entry["profile_hits"]]
-  except (KeyError, TypeError, ValueError):
-    return None
-  return (t, h) if len(t) == len(h) == PROFILE_BUCKETS else None
-
-
-def save_rates(path: str, key: str, rates: list[float], profile=None):
-  """rates: the level per draft position; profile: (trials, hits) per output-position bucket."""
-  entry = {"rates": [round(float(r), 4) for r in rates]}
-  if profile is not None:
-    entry["profile_trials"], entry["profile_hits"] = list(profile[0]), list(profile[1])
-  _save_entry(path, key, entry)
-
-
-def monotone(cost: list[float]) -> list[float]:
-  """The closest non-decreasing sequence (pool adjacent violators): a step never costs less
-  with more drafts, so a measured dip is noise, and averaging it with its neighbour keeps the
-  controller from skipping over a k that merely measured high."""
-  blocks = []                                     # [mean, count]
-  for c in cost:
-    blocks.append([c, 1])
-    while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-      (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
-      blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
-  return [m for m, n in blocks for _ in range(n)]
-
-
-def measure_costs(engine, params, rel_err: float = 0.02, budget_s: float = 60.0,
-                  min_rounds: int = 10, max_rounds: int = 400, steps: int = 32):
-  """Seconds per step with k = 0..K_max drafts, every slot active: warm, `steps` steps per
-  run, every k once per round (in alternating order). The controller only weighs costs against
-  each other, so c(k) is the median over rounds of c(k) / c(0) within the round (a slow spell
-  of a shared machine slows a whole round alike) times the median c(0); made non-decreasing in
-  k (see monotone). One run's time on a shared machine is off by several percent, and a table
-  off by 8% in c(3) / c(1) turns the controller to the wrong k: rounds go on until the
-  standard error of every ratio is below rel_err, or budget_s has passed (after min_rounds).
-  -> (cost [K+1], {"rounds", "rel_se": the largest standard error of a ratio})."""
-  b, k1 = engine.cfg.batch_size, engine.kd + 1
-  steps = min(steps, engine.cfg.ring_size)
-  rng = np.random.default_rng(0)
-  prompts = [list(rng.integers(0, engine.model_cfg.vocab_size, 8)) for _ in range(b)]
-  prefix = engine.prefill(params, prompts, jax.random.key(0), [0.0] * b, [0] * b, [1.0] * b)
-
-  def one(k):
-    state = engine.insert(prefix, engine.init_state(), list(range(b)), engine.cfg.max_len,
-                          0.0, 0, 1.0)
-    state = engine.put(state, k_force=k)
-    jax.block_until_ready(state)
-    t0 = time.perf_counter()
-    state = engine.generate(params, state, steps, sample=False)
-    ran = int(state.step)
-    return (time.perf_counter() - t0) / max(ran, 1)
-
-  for k in range(k1):                                # compiles / warms up
-    one(k)
-  rows, se, start = [], float("inf"), time.perf_counter()
-  while len(rows) < max_rounds:
-    order = range(k1) if len(rows) % 2 == 0 else range(k1 - 1, -1, -1)
-    row = [0.0] * k1
-    for k in order:
-      row[k] = one(k)
-    rows.append(row)
-    n = len(rows)
-    if n >= min_rounds:
-      t = np.asarray(rows)                                       # [rounds, K+1]
-      lr = np.log(t[:, 1:] / t[:, :1])
-      # of a median; 0 for an engine without drafts (nothing to weigh against c(0))
-      se = float(np.max(1.2533 * lr.std(axis=0, ddof=1) / np.sqrt(n), initial=0.0))
-      if se < rel_err or time.perf_counter() - start > budget_s:
-        break
-  t = np.asarray(rows).T                                         # [K+1, rounds]
-  cost = monotone([float(np.median(t[0]) * np.median(t[k] / t[0])) for k in range(k1)])
-  return cost, {"rounds": len(rows), "rel_se": round(se, 4)}

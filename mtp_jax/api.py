@@ -19,12 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax import adaptive
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config as config_lib
 from mtp_jax import engine as engine_lib
 from mtp_jax import ring as ring_lib
 from mtp_jax import sharding as sharding_lib
+from mtp_jax import tables
 from mtp_jax.config import DecodeConfig
 
 
@@ -72,7 +72,7 @@ class Decoder:
     # (True): the controller's prior.
     self._prior: dict[bool, list[float]] = {}
     # First-position counts per output-position bucket over earlier runs, (trials, hits): the
-    # controller's profile (adaptive.run_profile).
+    # controller's profile (tables.run_profile).
     self._profile: dict[bool, tuple[list[float], list[float]]] = {}
     self._rates_path: str | None = None      # where runs' acceptance is stored (calibrate)
     self._fingerprint: str | None = None
@@ -103,19 +103,19 @@ class Decoder:
 
   def calibrate(self, table_path: str | None = None, force: bool = False) -> list[float]:
     """Cost table of the adaptive controller (see Engine.calibrate). The same file then keeps
-    the acceptance per draft position that this model's runs measure (adaptive.rates_key): a
+    the acceptance per draft position that this model's runs measure (tables.rates_key): a
     later process starts from it where the heads' confidence alone would be its only guide (the
     confidence understates how often greedy drafts are accepted, and a first run would decode
     plainly until probes had shown otherwise)."""
     cost = self.engine.calibrate(self.params, table_path, force)
     if self.engine.cfg.adaptive:
-      self._rates_path = table_path or adaptive.default_table_path()
+      self._rates_path = table_path or tables.default_table_path()
       if self._fingerprint is None:
-        self._fingerprint = adaptive.params_fingerprint(self.params)
+        self._fingerprint = tables.params_fingerprint(self.params)
     return cost
 
   def _rates_key(self, sampled: bool) -> str:
-    return adaptive.rates_key(self.engine, self._fingerprint, sampled)
+    return tables.rates_key(self.engine, self._fingerprint, sampled)
 
   def warmup(self, max_prompt_len: int | None = None) -> int:
     """Compiles every shape serving can meet (see Engine.warmup), the copy a chunk's drain
@@ -123,7 +123,7 @@ class Decoder:
     -> the number of buckets."""
     n = self.engine.warmup(self.params, max_prompt_len)
     state = self.engine.init_state()
-    ring_lib.Drain().drain(state.ring, state.step, state.done, state.row_steps)
+    ring_lib.Drain().drain(state.record.ring, state.record.step, state.rows.done, state.rows.steps)
     jax.block_until_ready(jax.random.fold_in(jax.random.key(self.seed), 0))   # rows' keys (run)
     return n
 
@@ -145,151 +145,84 @@ class Decoder:
     strings is finished on the host and cancelled on the device at the next chunk boundary.
     """
     eng = self.engine
-    b = eng.cfg.batch_size
-    t_start = time.perf_counter()
-    wait = [0.0]                       # seconds blocked on the device (for host overhead)
-    ttft = [0.0] * len(requests)
-    state = eng.init_state(self.seed)
     sampled_run = any(engine_lib.needs_sampling(r.temperature, r.repetition_penalty)
                       for r in requests)
+    slots = _Slots(self, requests, on_done)
+    state = eng.init_state(self.seed)
+    prior, profile = self._earlier_acceptance(sampled_run)
+    if eng.cfg.adaptive and prior is not None:
+      state = eng.put(state, prior_rate=prior)
+    if eng.cfg.adaptive and profile is not None:
+      state = eng.put(state, profile=tables.run_profile(*profile))
+    state = self._decode(state, slots)
+    self.last_stats = engine_lib.stats(state)
+    if eng.cfg.adaptive:     # the acceptance this run saw: the next run's prior (adaptive k)
+      self._learn(sampled_run, prior, profile)
+    self.last_timing = {"wall_s": time.perf_counter() - slots.t_start, "wait_s": slots.wait}
+    return slots.results
+
+  def _decode(self, state, slots: "_Slots"):
+    """The chunk loop: generate, hand over, drain, refill, until every request is done.
+
+    While requests wait, a finished row is refilled right after its chunk, so the host reads
+    each chunk before launching the next. Once the queue is empty nothing needs refilling: the
+    next chunk is launched first and the previous one drained while the device runs it."""
+    eng = self.engine
+    drain = ring_lib.Drain()
+    refill_rows = max(1, eng.cfg.batch_size // 8)
+    state = slots.fill(state)
+    closed = None           # adaptive k: no request waits, so only the end of the job counts
+    while slots.busy():
+      if slots.cancel.any():
+        state = eng.cancel(state, slots.cancel)
+        slots.cancel[:] = False
+      if eng.cfg.adaptive and closed != (not slots.queue):
+        closed = not slots.queue
+        state = eng.put(state, closed=closed)
+      # While requests wait, the chunk ends once refill_rows slots are free (not at once for
+      # one slot in a large batch: each refill is a host round trip).
+      state = eng.generate(self.params, state, sample=slots.sampling(),
+                           refill=min(len(slots.queue), refill_rows))
+      slots.hand_over()                 # detokenise and write while the chunk runs
+      if drain.pending:
+        slots.collect(slots.timed(drain.finish))
+      drain.start(state.record.ring, state.record.step, state.rows.done, state.rows.steps)
+      if slots.queue or not slots.busy():
+        slots.collect(slots.timed(drain.finish))
+        state = slots.fill(state)
+    if drain.pending:
+      slots.collect(slots.timed(drain.finish))
+    slots.hand_over()
+    return state
+
+  def _earlier_acceptance(self, sampled_run: bool):
+    """-> (prior rates, profile counts) from this decoder's earlier runs, else the stored ones
+    (after calibrate), else None."""
+    eng = self.engine
     prior = self._prior.get(sampled_run)
     if eng.cfg.adaptive and prior is None and self._rates_path:
       # Another process's: the first position only. Positions past it are tried only where the
       # controller drafts that far, so a low rate stored for them by other text could keep this
       # run from ever drafting that far; unknown, they start from the first position's estimate
       # (row_alpha).
-      stored = adaptive.load_rates(self._rates_path, self._rates_key(sampled_run))
+      stored = tables.load_rates(self._rates_path, self._rates_key(sampled_run))
       if stored is not None and eng.kd > 0 and len(stored) == eng.kd and stored[0] >= 0:
         prior = [stored[0]] + [-1.0] * (eng.kd - 1)
     profile = self._profile.get(sampled_run)
     if eng.cfg.adaptive and profile is None and self._rates_path:
-      profile = adaptive.load_profile(self._rates_path, self._rates_key(sampled_run))
-    if eng.cfg.adaptive and prior is not None:
-      state = eng.put(state, prior_rate=prior)
-    if eng.cfg.adaptive and profile is not None:
-      state = eng.put(state, profile=adaptive.run_profile(*profile))
-    base_key = jax.random.key(self.seed)
-    drain = ring_lib.Drain()
-    queue = list(range(len(requests)))[::-1]
-    slot_req = [-1] * b
-    streams: list[list[int]] = [[] for _ in range(b)]
-    results: list[Completion | None] = [None] * len(requests)
-    sampled = np.zeros((b,), bool)
-    free = list(range(b))[::-1]
-    finished: list[tuple] = []    # (request, tokens, steps, latency) of rows not handed over
-    cancel = np.zeros((b,), bool)
+      profile = tables.load_profile(self._rates_path, self._rates_key(sampled_run))
+    return prior, profile
 
-    def fill(state):
-      """Prefills waiting requests into free slots, up to prefill_rows per call (a call of
-      several rows is padded to prefill_rows with rows that insert drops)."""
-      g = eng.cfg.prefill_rows
-      while free and queue:
-        take = min(len(free), len(queue), g)
-        slots, reqs = [], []
-        for _ in range(take):
-          slot, r = free.pop(), queue.pop()
-          slots.append(slot)
-          reqs.append(requests[r])
-          slot_req[slot] = r
-          sampled[slot] = engine_lib.needs_sampling(requests[r].temperature,
-                                                    requests[r].repetition_penalty)
-        keys = [jax.random.key(q.seed) if q.seed is not None
-                else jax.random.fold_in(base_key, slot_req[s]) for q, s in zip(reqs, slots)]
-        if take > 1:
-          pad = g - take
-          reqs += [Request(reqs[0].prompt_ids[:1], 1)] * pad
-          slots += [b] * pad
-          keys += [base_key] * pad
-        prefix = eng.prefill(self.params, [q.prompt_ids for q in reqs], jnp.stack(keys),
-                             [q.temperature for q in reqs], [q.top_k for q in reqs],
-                             [q.top_p for q in reqs], [q.repetition_penalty for q in reqs])
-        state = eng.insert(prefix, state, slots, [q.max_new_tokens for q in reqs],
-                           [q.temperature for q in reqs], [q.top_k for q in reqs],
-                           [q.top_p for q in reqs], [q.repetition_penalty for q in reqs])
-        t0 = time.perf_counter()
-        first = np.asarray(prefix.first)
-        now = time.perf_counter()
-        wait[0] += now - t0
-        for i in range(take):
-          streams[slots[i]] = [int(first[i])]
-          ttft[slot_req[slots[i]]] = now - t_start
-      return state
-
-    def release(slot, row_steps):
-      finished.append((slot_req[slot], streams[slot], int(row_steps[slot]),
-                       time.perf_counter() - t_start))
-      slot_req[slot] = -1
-      free.append(slot)
-
-    def finish_drain():
-      t0 = time.perf_counter()
-      records = drain.finish()
-      wait[0] += time.perf_counter() - t0
-      return records
-
-    def collect(records):
-      """Appends a drained chunk to the streams; releases rows that are done."""
-      tokens, emitted, _, _, done, row_steps = records
-      ring_lib.append_streams(streams, tokens, emitted)
-      for slot in range(b):
-        r = slot_req[slot]
-        if r < 0:
-          continue
-        if done[slot]:
-          release(slot, row_steps)
-        elif requests[r].stop and _find_stop(self.tokenizer.decode(streams[slot]),
-                                             requests[r].stop)[0] >= 0:
-          cancel[slot] = True
-          release(slot, row_steps)
-
-    def hand_over():
-      for r, ids, steps, latency in finished:
-        results[r] = self._finish(requests[r], ids, steps)
-        results[r].ttft_s, results[r].latency_s = ttft[r], latency
-        if on_done is not None:
-          on_done(r, results[r])
-      finished.clear()
-
-    # While requests wait, a finished row is refilled right after its chunk, so the host reads
-    # each chunk before launching the next. Once the queue is empty nothing needs refilling: the
-    # next chunk is launched first and the previous one drained while the device runs it.
-    refill_rows = max(1, b // 8)
-    state = fill(state)
-    closed = None           # adaptive k: no request waits, so only the end of the job counts
-    while any(r >= 0 for r in slot_req):
-      if cancel.any():
-        state = eng.cancel(state, cancel)
-        cancel[:] = False
-      if eng.cfg.adaptive and closed != (not queue):
-        closed = not queue
-        state = eng.put(state, closed=closed)
-      sample = bool(np.any(sampled & (np.asarray(slot_req) >= 0)))
-      # While requests wait, the chunk ends once refill_rows slots are free (not at once for
-      # one slot in a large batch: each refill is a host round trip).
-      state = eng.generate(self.params, state, sample=sample,
-                           refill=min(len(queue), refill_rows))
-      hand_over()                       # detokenise and write while the chunk runs
-      if drain.pending:
-        collect(finish_drain())
-      drain.start(state.ring, state.step, state.done, state.row_steps)
-      if queue or not any(r >= 0 for r in slot_req):
-        collect(finish_drain())
-        state = fill(state)
-    if drain.pending:
-      collect(finish_drain())
-    hand_over()
-    self.last_stats = engine_lib.stats(state)
-    if eng.cfg.adaptive:     # the acceptance this run saw: the next run's prior (adaptive k)
-      st = self.last_stats
-      rates = adaptive.run_rates(st["cond_weight"], st["cond_hits"])
-      prior = [r if r >= 0 else p for r, p in zip(rates, prior or rates)]
-      self._prior[sampled_run] = prior
-      profile = adaptive.merge_profile_counts(profile, (st["pos_trials"], st["pos_hits"]))
-      self._profile[sampled_run] = profile
-      if self._rates_path and max(rates, default=-1.0) >= 0:
-        adaptive.save_rates(self._rates_path, self._rates_key(sampled_run), prior, profile)
-    self.last_timing = {"wall_s": time.perf_counter() - t_start, "wait_s": wait[0]}
-    return results
+  def _learn(self, sampled_run: bool, prior, profile):
+    """Keeps the acceptance the last run saw (and stores it after calibrate)."""
+    st = self.last_stats
+    rates = tables.run_rates(st["cond_weight"], st["cond_hits"])
+    prior = [r if r >= 0 else p for r, p in zip(rates, prior or rates)]
+    self._prior[sampled_run] = prior
+    profile = tables.merge_profile_counts(profile, (st["pos_trials"], st["pos_hits"]))
+    self._profile[sampled_run] = profile
+    if self._rates_path and max(rates, default=-1.0) >= 0:
+      tables.save_rates(self._rates_path, self._rates_key(sampled_run), prior, profile)
 
   def _finish(self, req: Request, ids: list[int], steps: int) -> Completion:
     eod = self.tokenizer.eod_id
@@ -312,6 +245,105 @@ class Decoder:
     return Completion(text=text, token_ids=ids, finish_reason=reason,
                       prompt_tokens=len(req.prompt_ids), steps=steps,
                       acceptance_length=emitted / steps if steps else 0.0)
+
+
+class _Slots:
+  """The host's side of a run: which request each slot serves, the queue of waiting requests,
+  the rows' token streams, and the finished completions."""
+
+  def __init__(self, dec: Decoder, requests: Sequence[Request], on_done):
+    b = dec.engine.cfg.batch_size
+    self.dec, self.requests, self.on_done = dec, requests, on_done
+    self.t_start = time.perf_counter()
+    self.wait = 0.0                    # seconds blocked on the device (for host overhead)
+    self.ttft = [0.0] * len(requests)
+    self.base_key = jax.random.key(dec.seed)
+    self.queue = list(range(len(requests)))[::-1]
+    self.slot_req = [-1] * b
+    self.streams: list[list[int]] = [[] for _ in range(b)]
+    self.results: list[Completion | None] = [None] * len(requests)
+    self.sampled = np.zeros((b,), bool)
+    self.free = list(range(b))[::-1]
+    self.finished: list[tuple] = []    # (request, tokens, steps, latency) of rows not handed over
+    self.cancel = np.zeros((b,), bool)
+
+  def busy(self) -> bool:
+    return any(r >= 0 for r in self.slot_req)
+
+  def sampling(self) -> bool:
+    """Whether a row in use samples (the sampling variant of generate)."""
+    return bool(np.any(self.sampled & (np.asarray(self.slot_req) >= 0)))
+
+  def timed(self, fn):
+    t0 = time.perf_counter()
+    out = fn()
+    self.wait += time.perf_counter() - t0
+    return out
+
+  def fill(self, state):
+    """Prefills waiting requests into free slots, up to prefill_rows per call (a call of
+    several rows is padded to prefill_rows with rows that insert drops)."""
+    eng, b = self.dec.engine, self.dec.engine.cfg.batch_size
+    g = eng.cfg.prefill_rows
+    while self.free and self.queue:
+      take = min(len(self.free), len(self.queue), g)
+      slots, reqs = [], []
+      for _ in range(take):
+        slot, r = self.free.pop(), self.queue.pop()
+        slots.append(slot)
+        reqs.append(self.requests[r])
+        self.slot_req[slot] = r
+        self.sampled[slot] = engine_lib.needs_sampling(self.requests[r].temperature,
+                                                       self.requests[r].repetition_penalty)
+      keys = [jax.random.key(q.seed) if q.seed is not None
+              else jax.random.fold_in(self.base_key, self.slot_req[s])
+              for q, s in zip(reqs, slots)]
+      if take > 1:
+        pad = g - take
+        reqs += [Request(reqs[0].prompt_ids[:1], 1)] * pad
+        slots += [b] * pad
+        keys += [self.base_key] * pad
+      prefix = eng.prefill(self.dec.params, [q.prompt_ids for q in reqs], jnp.stack(keys),
+                           [q.temperature for q in reqs], [q.top_k for q in reqs],
+                           [q.top_p for q in reqs], [q.repetition_penalty for q in reqs])
+      state = eng.insert(prefix, state, slots, [q.max_new_tokens for q in reqs],
+                         [q.temperature for q in reqs], [q.top_k for q in reqs],
+                         [q.top_p for q in reqs], [q.repetition_penalty for q in reqs])
+      first = self.timed(lambda: np.asarray(prefix.first))
+      now = time.perf_counter()
+      for i in range(take):
+        self.streams[slots[i]] = [int(first[i])]
+        self.ttft[self.slot_req[slots[i]]] = now - self.t_start
+    return state
+
+  def release(self, slot, row_steps):
+    self.finished.append((self.slot_req[slot], self.streams[slot], int(row_steps[slot]),
+                          time.perf_counter() - self.t_start))
+    self.slot_req[slot] = -1
+    self.free.append(slot)
+
+  def collect(self, records):
+    """Appends a drained chunk to the streams; releases rows that are done."""
+    tokens, emitted, _, _, done, row_steps = records
+    ring_lib.append_streams(self.streams, tokens, emitted)
+    for slot in range(len(self.slot_req)):
+      r = self.slot_req[slot]
+      if r < 0:
+        continue
+      if done[slot]:
+        self.release(slot, row_steps)
+      elif self.requests[r].stop and _find_stop(self.dec.tokenizer.decode(self.streams[slot]),
+                                                self.requests[r].stop)[0] >= 0:
+        self.cancel[slot] = True
+        self.release(slot, row_steps)
+
+  def hand_over(self):
+    for r, ids, steps, latency in self.finished:
+      self.results[r] = self.dec._finish(self.requests[r], ids, steps)
+      self.results[r].ttft_s, self.results[r].latency_s = self.ttft[r], latency
+      if self.on_done is not None:
+        self.on_done(r, self.results[r])
+    self.finished.clear()
 
 
 def _find_stop(text: str, stops) -> tuple[int, str | None]:

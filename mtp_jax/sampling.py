@@ -18,8 +18,31 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 NEG_INF = -1e30
+
+
+@struct.dataclass
+class SamplingParams:
+  """Per row: its PRNG key (a row's stream ignores the other rows) and its logits processors."""
+  key: jax.Array           # [B] one PRNG key per row
+  temperature: jax.Array   # [B] f32, 0 = greedy
+  top_k: jax.Array         # [B] int32, 0 = off
+  top_p: jax.Array         # [B] f32, 1 = off
+  penalty: jax.Array       # [B] f32 repetition penalty, 1 = off
+
+  @property
+  def processors(self):
+    """(temperature, top_k, top_p, penalty): process_logits' per-row arguments."""
+    return self.temperature, self.top_k, self.top_p, self.penalty
+
+
+def init_params(key_B, b: int) -> SamplingParams:
+  """b greedy rows with these keys."""
+  return SamplingParams(key=key_B, temperature=jnp.zeros((b,), jnp.float32),
+                        top_k=jnp.zeros((b,), jnp.int32), top_p=jnp.ones((b,), jnp.float32),
+                        penalty=jnp.ones((b,), jnp.float32))
 
 
 def presence(tokens_BS, length_B, vocab_size: int):

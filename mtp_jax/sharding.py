@@ -137,8 +137,9 @@ def put_batch(batch: np.ndarray, mesh: Mesh):
   return jax.make_array_from_callback(batch.shape, sharding, lambda idx: batch[idx])
 
 
-def decode_state_shardings(state_abstract, mesh: Mesh, batch_size: int, cache_paths=("cache",
-                                                                                  "draft_cache")):
+def decode_state_shardings(state_abstract, mesh: Mesh, batch_size: int,
+                           cache_paths=("trunk", "draft"),
+                           batch_paths=(("rows", "tokens"), ("drafts", "logq"))):
   """Slots on 'data' for the large [B, ...] arrays (tokens, drafts' distributions, caches with
   kv_heads on 'model'); everything else replicated."""
   data = mesh.shape["data"]
@@ -151,7 +152,7 @@ def decode_state_shardings(state_abstract, mesh: Mesh, batch_size: int, cache_pa
       g_axis = "model" if shape[2] % mesh.shape["model"] == 0 else None
       b_axis = "data" if shape[0] % data == 0 else None
       return NamedSharding(mesh, P(b_axis, None, g_axis, *([None] * (len(shape) - 3))))
-    if names and names[0] in ("tokens", "draft_logq") and shape[0] == batch_size \
+    if tuple(names[:2]) in batch_paths and shape[0] == batch_size \
         and batch_size % data == 0:
       return NamedSharding(mesh, P("data", *([None] * (len(shape) - 1))))
     return NamedSharding(mesh, P())

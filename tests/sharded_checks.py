@@ -106,7 +106,7 @@ def decode_and_restore(workdir):
     dec = api.Decoder(mcfg, hcfg, sharded, tok, dcfg, mesh=mesh)
     got = dec.run(reqs)
     assert [c.token_ids for c in got] == [c.token_ids for c in plain], spec
-    cache_k = dec.engine.state_sharding.cache.k[0]
+    cache_k = dec.engine.state_sharding.caches.trunk.k[0]
     print(f"{spec}: {sum(len(c.token_ids) for c in got)} tokens identical; cache sharding "
           f"{cache_k.spec}; acceptance {dec.last_stats['acceptance_length']:.2f}")
 

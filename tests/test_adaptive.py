@@ -16,8 +16,14 @@ from mtp_jax import api
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import engine as E
 from mtp_jax import ring as ring_lib
+from mtp_jax import tables as T
 from mtp_jax.config import DecodeConfig
 from tests.conftest import tiny_config
+
+
+def _controller(state, **values):
+  """state with controller fields replaced."""
+  return state.replace(controller=state.controller.replace(**values))
 
 
 def _choose(cost, alpha, active=None):
@@ -206,16 +212,17 @@ def test_the_controller_does_not_count_a_rows_warm_up():
                                                       max_len=32, adapt_warmup=warmup), 0)
     kd = eng.kd
     st = eng._init_state_unplaced(cost=[1.0, 1.5] + [1.5 + k for k in range(1, kd)])
-    ring = st.ring
+    ring = st.record.ring
     z = jnp.zeros((2, kd + 1), jnp.int32)
     for s in range(12):
       acc = jnp.full((2,), int(s >= 8))
       ring = ring_lib.record(ring, s, z, 1 + acc, jnp.ones((2,), jnp.int32), acc, 1, 2,
                              jnp.full((2,), s))
-    st = st.replace(ring=ring, step=jnp.asarray(12), row_steps=jnp.full((2,), 12),
-                    done=jnp.zeros((2,), bool), length=jnp.full((2,), 20),
-                    stop_len=jnp.full((2,), 30), n_fresh=jnp.full((2,), kd),
-                    draft_conf=jnp.full((2, kd), 0.5))
+    st = st.replace(record=st.record.replace(ring=ring, step=jnp.asarray(12)),
+                    rows=st.rows.replace(steps=jnp.full((2,), 12), done=jnp.zeros((2,), bool),
+                                         length=jnp.full((2,), 20), stop_len=jnp.full((2,), 30)),
+                    drafts=st.drafts.replace(n_fresh=jnp.full((2,), kd),
+                                             conf=jnp.full((2, kd), 0.5)))
     chosen[warmup] = int(eng.choose_k(st, (0, 1)))
   assert chosen == {0: 0, 8: 1}
 
@@ -248,25 +255,25 @@ def test_the_profile_weighs_counts_by_output_position():
 def test_a_profile_is_learned_from_runs_counts():
   """Each bucket's rate over the whole rate, pulled towards 1 where it has few trials, the
   trials' mean g 1; flat without counts; stored counts are summed and capped."""
-  assert A.run_profile([0] * A.PROFILE_BUCKETS, [0] * A.PROFILE_BUCKETS) == \
+  assert T.run_profile([0] * A.PROFILE_BUCKETS, [0] * A.PROFILE_BUCKETS) == \
       [1.0] * A.PROFILE_BUCKETS
   big = 1e6
   t = [big] * A.PROFILE_BUCKETS
   h = [0.5 * big] + [0.8 * big] * (A.PROFILE_BUCKETS - 1)
-  g = np.asarray(A.run_profile(t, h))
+  g = np.asarray(T.run_profile(t, h))
   whole = np.sum(h) / np.sum(t)
   np.testing.assert_allclose(g, np.asarray(h) / big / whole, rtol=1e-4)
   assert np.mean(g) == pytest.approx(1.0)
   # A bucket without trials gets the whole rate: g = 1 before the normalisation.
   t2, h2 = list(t), list(h)
   t2[-1] = h2[-1] = 0.0
-  g2 = np.asarray(A.run_profile(t2, h2))
+  g2 = np.asarray(T.run_profile(t2, h2))
   assert g2[-1] == pytest.approx(g2[1] * (0.5 + 0.8 * 6) / 7 / 0.8, rel=1e-3)
   assert np.sum(np.asarray(t2) * g2) == pytest.approx(np.sum(t2))
-  tm, hm = A.merge_profile_counts(([10.0] * A.PROFILE_BUCKETS, [5.0] * A.PROFILE_BUCKETS),
+  tm, hm = T.merge_profile_counts(([10.0] * A.PROFILE_BUCKETS, [5.0] * A.PROFILE_BUCKETS),
                                   ([1] * A.PROFILE_BUCKETS, [1] * A.PROFILE_BUCKETS))
   assert tm == [11.0] * A.PROFILE_BUCKETS and hm == [6.0] * A.PROFILE_BUCKETS
-  tm, hm = A.merge_profile_counts(None, ([A.PROFILE_KEEP] * A.PROFILE_BUCKETS,
+  tm, hm = T.merge_profile_counts(None, ([A.PROFILE_KEEP] * A.PROFILE_BUCKETS,
                                          [A.PROFILE_KEEP / 2] * A.PROFILE_BUCKETS))
   assert sum(tm) == pytest.approx(A.PROFILE_KEEP) and hm[0] == pytest.approx(tm[0] / 2)
 
@@ -286,7 +293,7 @@ def test_a_closed_batch_expects_the_acceptance_its_rows_have_ahead():
                                                     adapt_warmup=0), 0)
   kd = eng.kd
   st = eng._init_state_unplaced(cost=[1.0, 1.42] + [1.42 + k for k in range(1, kd)])
-  ring = st.ring
+  ring = st.record.ring
   z = jnp.zeros((b, kd + 1), jnp.int32)
   for s in range(12):
     acc = jnp.asarray((np.arange(b) + 7 * s) % 20 < 13, jnp.int32)       # 13 in 20 accepted
@@ -296,28 +303,32 @@ def test_a_closed_batch_expects_the_acceptance_its_rows_have_ahead():
   assert 0.6 < row_hits.sum() / (12 * b) < 0.7
   # The rows' own memory holds the same counts (at g = 0.8 in the demo profile's first bucket).
   own = np.zeros((b, kd), np.float32)
-  st = st.replace(ring=ring, step=jnp.asarray(12), row_steps=jnp.full((b,), 12),
-                  done=jnp.zeros((b,), bool), prompt_len=jnp.full((b,), 4),
-                  length=jnp.full((b,), 16), stop_len=jnp.full((b,), 116),
-                  n_fresh=jnp.full((b,), kd), draft_conf=jnp.full((b, kd), 0.5),
-                  row_hits=jnp.asarray(own).at[:, 0].set(row_hits),
-                  prior_rate=jnp.asarray([0.78] + [-1.0] * (kd - 1)), closed=jnp.asarray(True))
+  st = st.replace(record=st.record.replace(ring=ring, step=jnp.asarray(12)),
+                  rows=st.rows.replace(steps=jnp.full((b,), 12), done=jnp.zeros((b,), bool),
+                                       prompt_len=jnp.full((b,), 4), length=jnp.full((b,), 16),
+                                       stop_len=jnp.full((b,), 116)),
+                  drafts=st.drafts.replace(n_fresh=jnp.full((b,), kd),
+                                           conf=jnp.full((b, kd), 0.5)),
+                  controller=st.controller.replace(
+                      row_hits=jnp.asarray(own).at[:, 0].set(row_hits),
+                      prior_rate=jnp.asarray([0.78] + [-1.0] * (kd - 1)),
+                      closed=jnp.asarray(True)))
   chosen = {}
   for name, profile in (("flat", [1.0] * 8), ("demo", [0.8, 0.95, 1.0, 1.0, 1.02, 1.05, 1.09,
                                                       1.08])):
     g = profile[0]
-    chosen[name] = int(eng.choose_k(st.replace(profile=jnp.asarray(profile, jnp.float32),
-                                               row_trials=jnp.asarray(own).at[:, 0].set(12 * g)),
-                                    (0, 1)))
+    ctrl = st.controller.replace(profile=jnp.asarray(profile, jnp.float32),
+                                 row_trials=jnp.asarray(own).at[:, 0].set(12 * g))
+    chosen[name] = int(eng.choose_k(st.replace(controller=ctrl), (0, 1)))
   assert chosen == {"flat": 0, "demo": 1}
 
 
 def test_cost_table_round_trip(tmp_path):
   path = str(tmp_path / "c.json")
-  assert A.load_table(path, "x") is None
-  A.save_table(path, "x", [1.0, 2.0])
-  A.save_table(path, "y", [3.0])
-  assert A.load_table(path, "x") == [1.0, 2.0] and A.load_table(path, "y") == [3.0]
+  assert T.load_table(path, "x") is None
+  T.save_table(path, "x", [1.0, 2.0])
+  T.save_table(path, "y", [3.0])
+  assert T.load_table(path, "x") == [1.0, 2.0] and T.load_table(path, "y") == [3.0]
 
 
 def test_cost_table_key_names_the_runtime(monkeypatch):
@@ -326,27 +337,27 @@ def test_cost_table_key_names_the_runtime(monkeypatch):
   eng = E.Engine(cfg.model, cfg.heads, DecodeConfig(batch_size=2, k=-1, adaptive=True,
                                                     max_len=32), 0)
   flags = os.environ.get("XLA_FLAGS")
-  key = A.table_key(eng)
+  key = T.table_key(eng)
   assert f"jax={jax.__version__}" in key and "|cores=" in key
   monkeypatch.setenv("XLA_FLAGS", (flags or "") + " --xla_cpu_multi_thread_eigen=false")
-  assert A.table_key(eng) != key
+  assert T.table_key(eng) != key
   monkeypatch.undo()
   if hasattr(os, "sched_getaffinity"):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(97)))
-    assert "|cores=97|" in A.table_key(eng) and A.table_key(eng) != key
+    assert "|cores=97|" in T.table_key(eng) and T.table_key(eng) != key
     monkeypatch.undo()
-  assert A.table_key(eng) == key
+  assert T.table_key(eng) == key
 
 
 def test_measured_costs_are_made_non_decreasing():
-  assert A.monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+  assert T.monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
   # A k that measured dearer than the next one is averaged with it, not skipped over.
-  np.testing.assert_allclose(A.monotone([1.3, 2.1, 3.1, 2.5]), [1.3, 2.1, 2.8, 2.8])
-  np.testing.assert_allclose(A.monotone([1.0, 3.0, 2.0, 1.0, 5.0]), [1.0, 2.0, 2.0, 2.0, 5.0])
+  np.testing.assert_allclose(T.monotone([1.3, 2.1, 3.1, 2.5]), [1.3, 2.1, 2.8, 2.8])
+  np.testing.assert_allclose(T.monotone([1.0, 3.0, 2.0, 1.0, 5.0]), [1.0, 2.0, 2.0, 2.0, 5.0])
   rng = np.random.default_rng(0)
   for _ in range(50):
     c = rng.uniform(0, 1, 6)
-    m = np.asarray(A.monotone(list(c)))
+    m = np.asarray(T.monotone(list(c)))
     assert np.all(np.diff(m) >= -1e-12) and np.isclose(m.sum(), c.sum())
 
 
@@ -475,32 +486,34 @@ def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(
   pre = eng.prefill(params, [tok.encode("def f(x):\n")], jnp.stack([jax.random.key(0)]), [0.0],
                     [0], [1.0])
   state = eng.insert(pre, state, [0], [100], [0.0], [0], [1.0])
-  state = state.replace(cost=jnp.asarray([1.0] + [100.0] * eng.kd))   # drafting never pays
+  state = _controller(state, cost=jnp.asarray([1.0] + [100.0] * eng.kd))   # drafting never pays
   drafting, verifying = [], []
   for step in range(42):
     state = eng.generate(params, state, 1)
-    if int(state.n_fresh[0]) > 0:
+    if int(state.drafts.n_fresh[0]) > 0:
       drafting.append(step)
-    if int(state.ring.k_used[step % 16]) > 0:
-      assert int(state.ring.verified[step % 16, 0]) == 1
+    if int(state.record.ring.k_used[step % 16]) > 0:
+      assert int(state.record.ring.verified[step % 16, 0]) == 1
       verifying.append(step)
   # Segments of 3 steps; probes after 2, then 4, then 4 (the cap) plain segments, each
   # drafting at its last two steps and verifying at the last.
   assert verifying == [5, 17, 29, 41], verifying
   assert drafting == [s + d for s in verifying for d in (-1, 0)], drafting
-  assert int(state.probe_gap) == 4
+  assert int(state.controller.probe_gap) == 4
   # A call through the next probe (steps 51-53): plain up to it, the probe segment, then plain
   # decoding again in the same call, to the call's 15 steps.
   state = eng.generate(params, state, 15)
-  assert int(state.step) == 57 and int(state.n_fresh[0]) == 0 and int(state.plain_segs) == 1
-  assert np.asarray(state.ring.k_used)[np.arange(42, 57) % 16].tolist() == [0] * 11 + [1] + [0] * 3
+  assert int(state.record.step) == 57 and int(state.drafts.n_fresh[0]) == 0
+  assert int(state.controller.plain_segs) == 1
+  k_used = np.asarray(state.record.ring.k_used)
+  assert k_used[np.arange(42, 57) % 16].tolist() == [0] * 11 + [1] + [0] * 3
   # Drafting made to pay even at the tiny heads' low acceptance: the next segment drafts, and
   # the gap is the acceptance window's 6 steps (2 segments): probes before that would see the
   # same rates.
-  state = state.replace(cost=jnp.asarray([1.0] + [0.9] * eng.kd))
+  state = _controller(state, cost=jnp.asarray([1.0] + [0.9] * eng.kd))
   state = eng.generate(params, state, 6)
-  assert int(np.asarray(state.ring.k_used)[np.arange(57, 63) % 16].max()) > 0
-  assert int(state.probe_gap) == 2
+  assert int(np.asarray(state.record.ring.k_used)[np.arange(57, 63) % 16].max()) > 0
+  assert int(state.controller.probe_gap) == 2
 
 
 def test_segments_of_all_heads_run_in_the_calls_top_level_loop(trained_tiny):
@@ -516,18 +529,18 @@ def test_segments_of_all_heads_run_in_the_calls_top_level_loop(trained_tiny):
                     [0], [1.0])
   state = eng.insert(pre, state, [0], [100], [0.0], [0], [1.0])
   # Two forced plain segments: no drafts made, and the next plain segment is a probe.
-  state = eng.generate(params, state.replace(k_force=jnp.asarray(0, jnp.int32)), 4)
-  assert int(state.n_fresh[0]) == 0
+  state = eng.generate(params, _controller(state, k_force=jnp.asarray(0, jnp.int32)), 4)
+  assert int(state.drafts.n_fresh[0]) == 0
   # Equal costs: the controller stays plain without fresh drafts, and drafts all heads once the
   # probe (a step drafting one head, then one verifying it and drafting one again) brings a
   # fresh draft (the later positions' rates come from the prior). The call ends after the
   # probe segment (2 of its 16 steps).
-  state = eng.generate(params, state.replace(k_force=jnp.asarray(-1, jnp.int32)), 16)
-  assert int(state.step) == 6 and int(state.n_fresh[0]) == 1
-  assert np.asarray(state.ring.k_used)[4:6].tolist() == [0, 1]
+  state = eng.generate(params, _controller(state, k_force=jnp.asarray(-1, jnp.int32)), 16)
+  assert int(state.record.step) == 6 and int(state.drafts.n_fresh[0]) == 1
+  assert np.asarray(state.record.ring.k_used)[4:6].tolist() == [0, 1]
   state = eng.generate(params, state, 4)
-  assert int(state.step) == 10
-  assert np.asarray(state.ring.k_used)[6:10].tolist() == [kd] * 4
+  assert int(state.record.step) == 10
+  assert np.asarray(state.record.ring.k_used)[6:10].tolist() == [kd] * 4
 
 
 def test_adaptive_loop_writes_the_kv_cache_in_place(trained_tiny):
@@ -540,7 +553,7 @@ def test_adaptive_loop_writes_the_kv_cache_in_place(trained_tiny):
     eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=4, max_len=48, adaptive=adaptive),
                    tok.eod_id)
     state = eng.init_state()
-    b, s, g, h = state.cache.k[0].shape
+    b, s, g, h = state.caches.trunk.k[0].shape
     for sample in (False, True):
       hlo = eng._generate.lower(params, state, jnp.asarray(8, jnp.int32),
                                 jnp.asarray(0, jnp.int32), sample=sample,
@@ -587,8 +600,8 @@ def test_only_the_variants_that_can_pay_are_compiled(trained_tiny):
 def test_rates_of_a_run_become_the_next_runs_prior():
   # 100 first drafts verified, 80 accepted; 80 second drafts reached, 60 accepted (conditional
   # 0.75); 60 third drafts reached, 30 accepted (0.5); a position with too few trials is unknown.
-  assert A.run_rates([100, 80, 60], [80, 60, 30]) == [0.8, 0.75, 0.5]
-  assert A.run_rates([100, 10], [80, 5]) == [0.8, -1.0]
+  assert T.run_rates([100, 80, 60], [80, 60, 30]) == [0.8, 0.75, 0.5]
+  assert T.run_rates([100, 10], [80, 5]) == [0.8, -1.0]
   conf = jnp.full((2, 3), 0.3)
   no_trials = jnp.zeros((3,))
   alpha = A.row_alpha(jnp.zeros((3,)), no_trials, conf, jnp.array([3, 3]),
@@ -630,11 +643,11 @@ def test_rows_own_counts_remember_past_the_window(trained_tiny):
   age = np.zeros(b, int)                    # each row's steps since its insert
   out = np.ones(b, int)                     # each row's output tokens (the prefill's first)
   for k in (kd, 1, kd, kd):
-    s0 = int(state.step)
-    state = eng.generate(params, state.replace(k_force=jnp.asarray(k, jnp.int32)), 8,
+    s0 = int(state.record.step)
+    state = eng.generate(params, _controller(state, k_force=jnp.asarray(k, jnp.int32)), 8,
                          sample=False)
-    ring = state.ring
-    for s in range(s0, int(state.step)):
+    ring = state.record.ring
+    for s in range(s0, int(state.record.step)):
       v, a = np.asarray(ring.verified[s % 8]), np.asarray(ring.accepted[s % 8])
       np.testing.assert_array_equal(np.asarray(ring.row_step[s % 8]), age)
       np.testing.assert_array_equal(np.asarray(ring.row_pos[s % 8]), out)
@@ -653,22 +666,22 @@ def test_rows_own_counts_remember_past_the_window(trained_tiny):
       np.add.at(pos_hits, bucket, hit[:, 0])
   assert trials[:, 1:].sum() > 0 and hits[:, 1:].sum() > 0
   assert np.count_nonzero(pos_trials) >= 3          # the rows' trials span several buckets
-  np.testing.assert_allclose(np.asarray(state.row_trials), trials, rtol=1e-5)
-  np.testing.assert_allclose(np.asarray(state.row_hits), hits, rtol=1e-5)
-  np.testing.assert_array_equal(np.asarray(state.cond_trials), run_trials)
-  np.testing.assert_array_equal(np.asarray(state.cond_hits), run_hits)
-  np.testing.assert_allclose(np.asarray(state.cond_weight), run_weight, rtol=1e-5)
-  np.testing.assert_array_equal(np.asarray(state.pos_trials), pos_trials)
-  np.testing.assert_array_equal(np.asarray(state.pos_hits), pos_hits)
+  np.testing.assert_allclose(np.asarray(state.controller.row_trials), trials, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(state.controller.row_hits), hits, rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(state.record.cond_trials), run_trials)
+  np.testing.assert_array_equal(np.asarray(state.record.cond_hits), run_hits)
+  np.testing.assert_allclose(np.asarray(state.controller.cond_weight), run_weight, rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(state.controller.pos_trials), pos_trials)
+  np.testing.assert_array_equal(np.asarray(state.controller.pos_hits), pos_hits)
   # k changed between calls, so a later position was verified in fewer steps than the one
   # before it was reached: its conditional rate is not accepted / drafted there.
   st = E.stats(state)
   assert st["drafted"][1] < st["cond_trials"][0]
-  assert A.run_rates(run_trials, run_hits, min_trials=1) == pytest.approx(run_hits / run_trials)
+  assert T.run_rates(run_trials, run_hits, min_trials=1) == pytest.approx(run_hits / run_trials)
   state = eng.insert(eng.prefill(params, prompts[:1], jax.random.key(1), [0.0], [0], [1.0]),
                      state, [1], 60, 0.0, 0, 1.0)
-  np.testing.assert_allclose(np.asarray(state.row_trials)[1], 0.0)
-  np.testing.assert_allclose(np.asarray(state.row_trials)[0], trials[0], rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(state.controller.row_trials)[1], 0.0)
+  np.testing.assert_allclose(np.asarray(state.controller.row_trials)[0], trials[0], rtol=1e-5)
 
 
 def test_cost_table_is_measured_to_the_asked_precision(trained_tiny):
@@ -678,18 +691,18 @@ def test_cost_table_is_measured_to_the_asked_precision(trained_tiny):
   mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
   eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=2, max_len=64, adaptive=True, ring_size=8),
                  tok.eod_id)
-  cost, info = A.measure_costs(eng, params, rel_err=10.0, min_rounds=3)     # met at once
+  cost, info = T.measure_costs(eng, params, rel_err=10.0, min_rounds=3)     # met at once
   assert info["rounds"] == 3 and len(cost) == eng.kd + 1
   assert all(c > 0 for c in cost) and np.all(np.diff(cost) >= 0)
-  cost, info = A.measure_costs(eng, params, rel_err=0.0, budget_s=0.0, min_rounds=4)
+  cost, info = T.measure_costs(eng, params, rel_err=0.0, budget_s=0.0, min_rounds=4)
   assert info["rounds"] == 4 and info["rel_se"] > 0            # never met: the budget ends it
-  cost, info = A.measure_costs(eng, params, rel_err=0.0, budget_s=1e9, min_rounds=2,
+  cost, info = T.measure_costs(eng, params, rel_err=0.0, budget_s=1e9, min_rounds=2,
                                max_rounds=6)
   assert info["rounds"] == 6
   # An engine without drafts has no ratio to measure: min_rounds, then done.
   eng0 = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=2, max_len=64, adaptive=True, k=0,
                                            ring_size=8), tok.eod_id)
-  cost, info = A.measure_costs(eng0, params, min_rounds=2)
+  cost, info = T.measure_costs(eng0, params, min_rounds=2)
   assert len(cost) == 1 and cost[0] > 0 and info == {"rounds": 2, "rel_se": 0.0}
 
 
@@ -706,7 +719,7 @@ def test_a_later_process_starts_from_the_acceptance_a_run_stored(trained_tiny, t
   def decoder(p=params):
     dec = api.Decoder(mcfg, hcfg, p, tok, dcfg)
     # Drafting all but free: the controller drafts, and the run has counts to store.
-    A.save_table(path, A.table_key(dec.engine),
+    T.save_table(path, T.table_key(dec.engine),
                  [1.0 + 0.01 * k for k in range(dec.engine.kd + 1)])
     dec.calibrate(path)
     starts = []
@@ -714,7 +727,8 @@ def test_a_later_process_starts_from_the_acceptance_a_run_stored(trained_tiny, t
 
     def spy(params_, state, *a, **kw):
       if not starts:
-        starts.extend([np.asarray(state.prior_rate), np.asarray(state.profile)])
+        ctrl = state.controller
+        starts.extend([np.asarray(ctrl.prior_rate), np.asarray(ctrl.profile)])
       return generate(params_, state, *a, **kw)
     dec.engine.generate = spy
     return dec, starts
@@ -724,25 +738,25 @@ def test_a_later_process_starts_from_the_acceptance_a_run_stored(trained_tiny, t
   assert np.all(starts[0] == -1.0)                                        # nothing stored yet
   st = dec.last_stats
   assert st["cond_trials"][0] >= 16, st
-  stored = A.load_rates(path, A.rates_key(dec.engine, A.params_fingerprint(params), False))
+  stored = T.load_rates(path, T.rates_key(dec.engine, T.params_fingerprint(params), False))
   assert stored is not None
   assert stored[0] >= 0
-  assert stored == pytest.approx(A.run_rates(st["cond_weight"], st["cond_hits"]), abs=1e-4)
+  assert stored == pytest.approx(T.run_rates(st["cond_weight"], st["cond_hits"]), abs=1e-4)
   # ... and its first-position counts per output-position bucket: the next process's profile.
-  profile = A.load_profile(path, A.rates_key(dec.engine, A.params_fingerprint(params), False))
+  profile = T.load_profile(path, T.rates_key(dec.engine, T.params_fingerprint(params), False))
   np.testing.assert_allclose(profile, [st["pos_trials"], st["pos_hits"]])
   assert np.all(starts[1] == 1.0)                                         # flat
-  assert A.load_rates(path, A.rates_key(dec.engine, A.params_fingerprint(params), True)) is None
+  assert T.load_rates(path, T.rates_key(dec.engine, T.params_fingerprint(params), True)) is None
 
   dec2, starts2 = decoder()
   dec2.run(reqs)
   np.testing.assert_allclose(starts2[0], [stored[0]] + [-1.0] * (dec2.engine.kd - 1),
                              atol=1e-6)
-  np.testing.assert_allclose(starts2[1], A.run_profile(*profile), rtol=1e-6)
+  np.testing.assert_allclose(starts2[1], T.run_profile(*profile), rtol=1e-6)
 
   other = jax.tree.map(lambda x: x * 1.01 if jnp.issubdtype(x.dtype, jnp.floating) else x,
                        params)
-  assert A.params_fingerprint(other) != A.params_fingerprint(params)
+  assert T.params_fingerprint(other) != T.params_fingerprint(params)
   dec3, starts3 = decoder(other)
   dec3.run(reqs)
   assert np.all(starts3[0] == -1.0)

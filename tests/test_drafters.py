@@ -80,7 +80,7 @@ def test_sampling_is_lossless(tiny, drafter):
                         [1.0] * 64)
       state = eng.insert(pre, state, list(range(64)), 3, 1.0, 8, 1.0)
       state = eng.generate(p, state, 8, sample=True)
-      rows.append(np.asarray(state.tokens)[:, len(prompt) + 1: len(prompt) + 3])
+      rows.append(np.asarray(state.rows.tokens)[:, len(prompt) + 1: len(prompt) + 3])
     return np.concatenate(rows), E.stats(state)
 
   a, _ = sample(0, 1)

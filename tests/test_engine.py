@@ -125,8 +125,8 @@ def _sample_engine(mcfg, hcfg, params, tok, k, n_rounds, batch, prompt, max_new,
                          [1.0] * batch, [penalty] * batch)
     state = eng.insert(prefix, state, list(range(batch)), max_new, 1.0, top_k, 1.0, penalty)
     state = eng.generate(params, state, 8, sample=True)
-    toks = np.asarray(state.tokens)[:, len(prompt): len(prompt) + max_new]
-    lens = np.asarray(state.length) - len(prompt)
+    toks = np.asarray(state.rows.tokens)[:, len(prompt): len(prompt) + max_new]
+    lens = np.asarray(state.rows.length) - len(prompt)
     rows.append(np.where(np.arange(max_new)[None] < lens[:, None], toks, -1))
   return np.concatenate(rows), E.stats(state)
 
@@ -201,14 +201,14 @@ def test_drained_ring_reproduces_the_token_buffer_across_wraparound(tiny_model):
     streams[slot].append(int(prefix.first[0]))
   drain = ring_lib.Drain()
   calls = 0
-  while not bool(np.all(np.asarray(state.done))):
+  while not bool(np.all(np.asarray(state.rows.done))):
     state = eng.generate(params, state, 3)          # 3 steps per call, ring of 4: wraps
-    tokens, emitted, k_used, active = drain.drain(state.ring, int(state.step))
+    tokens, emitted, k_used, active = drain.drain(state.record.ring, int(state.record.step))
     ring_lib.append_streams(streams, tokens, emitted)
     assert np.all(k_used == 3)
     calls += 1
-  assert int(state.step) > 2 * eng.cfg.ring_size, "no wrap-around happened"
-  buf, length = np.asarray(state.tokens), np.asarray(state.length)
+  assert int(state.record.step) > 2 * eng.cfg.ring_size, "no wrap-around happened"
+  buf, length = np.asarray(state.rows.tokens), np.asarray(state.rows.length)
   for b, p in enumerate(prompts):
     assert streams[b] == buf[b, len(p): length[b]].tolist()
 
@@ -221,8 +221,8 @@ def test_donated_state_is_deleted_after_generate(tiny_model):
   state = eng.insert(prefix, state, [0], [10], 0.0, 0, 1.0)
   old = state
   new = eng.generate(params, state, 2, sample=False)
-  assert old.tokens.is_deleted() and old.cache.k[0].is_deleted()
-  assert not new.tokens.is_deleted()
+  assert old.rows.tokens.is_deleted() and old.caches.trunk.k[0].is_deleted()
+  assert not new.rows.tokens.is_deleted()
 
 
 def test_refill_ends_the_call_once_enough_rows_finish(tiny_model):
@@ -239,14 +239,15 @@ def test_refill_ends_the_call_once_enough_rows_finish(tiny_model):
     return eng.insert(prefix, state, [0, 1, 2], [4, 7, 40], [0.0] * 3, [0] * 3, [1.0] * 3)
 
   state = eng.generate(params, fresh(), 16, sample=False)
-  assert int(state.step) == 16
+  assert int(state.record.step) == 16
   done_at = {}
   for refill in (1, 2):
     state = eng.generate(params, fresh(), 16, sample=False, refill=refill)
-    done_at[refill] = int(state.step)
-    assert int(np.sum(np.asarray(state.done))) >= refill
+    done_at[refill] = int(state.record.step)
+    assert int(np.sum(np.asarray(state.rows.done))) >= refill
   eod = tok.eod_id
-  hit_eod = [eod in np.asarray(state.tokens)[r, len(p):].tolist() for r, p in enumerate(prompts)]
+  buf = np.asarray(state.rows.tokens)
+  hit_eod = [eod in buf[r, len(p):].tolist() for r, p in enumerate(prompts)]
   if not any(hit_eod[:2]):
     assert done_at == {1: 3, 2: 6}, done_at
   assert done_at[1] <= done_at[2] < 16

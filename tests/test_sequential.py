@@ -98,18 +98,18 @@ def test_module_caches_equal_full_recomputation(seq_model):
   state = eng.generate(params, state, 7)
   m = model_lib.bind(eng.graphdef, params)
   for r in range(2):
-    n = int(state.length[r])
-    toks = state.tokens[r: r + 1, :n]
+    n = int(state.rows.length[r])
+    toks = state.rows.tokens[r: r + 1, :n]
     h, _ = m(toks, jnp.arange(n)[None])
     padded = jnp.pad(toks, ((0, 0), (0, 4)))
     for i, module in enumerate(m.heads.modules):
       # Module i+1 over trunk positions 0..n-1 at input positions i+1..n+i; the entries whose
       # input token is committed (positions <= n-1) must match the decode state's.
-      fresh = kv.init_cache(mcfg, 1, state.draft_cache.max_len)
+      fresh = kv.init_cache(mcfg, 1, state.caches.draft.max_len)
       h, _, (ck, cv) = module(h, m.trunk.embed(padded[:, i + 1: i + 1 + n]),
                               (jnp.arange(n) + i + 1)[None], (fresh.k[0], fresh.v[0]),
                               key_min=i + 1)
-      for got, want in ((state.draft_cache.k[i], ck), (state.draft_cache.v[i], cv)):
+      for got, want in ((state.caches.draft.k[i], ck), (state.caches.draft.v[i], cv)):
         np.testing.assert_allclose(np.asarray(got[r, i + 1: n]), np.asarray(want[0, i + 1: n]),
                                    atol=2e-5, err_msg=f"row {r} module {i + 1}")
 
@@ -127,7 +127,7 @@ def test_sampling_is_lossless(seq_model):
                         [8] * 64, [1.0] * 64)
       state = eng.insert(pre, state, list(range(64)), 3, 1.0, 8, 1.0)
       state = eng.generate(params, state, 8, sample=True)
-      rows.append(np.asarray(state.tokens)[:, len(prompt) + 1: len(prompt) + 3])
+      rows.append(np.asarray(state.rows.tokens)[:, len(prompt) + 1: len(prompt) + 3])
     return np.concatenate(rows), E.stats(state)
 
   a, _ = sample(0, 1)

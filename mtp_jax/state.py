@@ -1,0 +1,98 @@
+"""The decode state: a few sub-structs of fixed-shape arrays, donated into every compiled call.
+
+Dimension letters: B slots, S positions (max_len), Kd drafts at most, V vocabulary, M sequential
+modules, D model width, R ring records, n / P a prefill's rows and padded prompt length.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import struct
+
+from mtp_jax import adaptive
+from mtp_jax import cache as kv
+from mtp_jax import ring as ring_lib
+from mtp_jax import sampling
+
+
+@struct.dataclass
+class Rows:
+  """Per slot: the token buffer and where the row stands."""
+  tokens: jax.Array        # [B, S] int32: prompt then generated tokens
+  length: jax.Array        # [B] committed tokens (prompt included)
+  prompt_len: jax.Array    # [B]
+  stop_len: jax.Array      # [B] the length at which the row is finished
+  done: jax.Array          # [B] bool (free slots are done)
+  steps: jax.Array         # [B] decode steps while the row was active
+  emitted: jax.Array       # [B] tokens emitted by decode steps
+
+  @property
+  def out_pos(self):
+    """[B] output tokens so far (the first generated token included)."""
+    return self.length - self.prompt_len
+
+  @property
+  def remaining(self):
+    """[B] tokens the row may still emit."""
+    return self.stop_len - self.length
+
+
+@struct.dataclass
+class Drafts:
+  """The drafts the next step verifies."""
+  tokens: jax.Array        # [B, Kd] int32
+  logq: jax.Array          # [B, Kd, V] the drafter's processed log-probabilities of them
+                           # (written by sampled steps; greedy steps leave it as it is)
+  conf: jax.Array          # [B, Kd] the drafter's confidence (peak probability) per draft
+  n_fresh: jax.Array       # [B] drafts made for the coming step (later ones are stale: a step
+                           # of the adaptive loop drafts only what the next step may verify)
+
+
+@struct.dataclass
+class Caches:
+  trunk: kv.KVCache
+  draft: kv.KVCache | None  # the draft model's cache (drafter 'model'), or the sequential
+                            # heads' caches (one layer per module), else None
+  seq_h: jax.Array | None   # [B, M, D] sequential heads: module i's hidden state at its last
+                            # position whose input token is committed (None otherwise)
+
+
+@struct.dataclass
+class Record:
+  """What the steps did: the ring of the last R steps and the run's counters."""
+  ring: ring_lib.Ring
+  step: jax.Array          # [] steps run since init (indexes the ring)
+  drafted: jax.Array       # [Kd] drafts verified, per draft position
+  accepted: jax.Array      # [Kd] drafts accepted, per draft position
+  cond_trials: jax.Array   # [Kd] drafts reached (verified, every draft before them accepted)
+  cond_hits: jax.Array     # [Kd] and accepted there; an adaptive engine leaves each row's first
+                           # adapt_warmup steps out: the run's conditional acceptance per
+                           # position (adaptive.run_rates), the next run's prior
+
+
+@struct.dataclass
+class DecodeState:
+  """Everything a decode step reads and writes, fixed shapes (B slots, S positions, Kd drafts,
+  V vocabulary, M sequential modules, R ring records)."""
+  rows: Rows
+  drafts: Drafts
+  caches: Caches
+  sampling: sampling.SamplingParams
+  record: Record
+  controller: adaptive.Controller | None   # adaptive k only
+
+
+@struct.dataclass
+class Prefix:
+  """The result of prefilling n prompts padded to one bucket: cache rows, the first token."""
+  tokens: jax.Array        # [n, P]
+  length: jax.Array        # [n] true prompt lengths
+  cache: kv.KVCache        # [n, P, G, H] per layer
+  draft_cache: kv.KVCache | None   # [n, P + Kd + 1, ...] the draft model's (drafter 'model')
+                                   # or the sequential heads' caches
+  seq_h: jax.Array | None          # [n, M, D] sequential heads (see DecodeState)
+  first: jax.Array         # [n] the first generated token
+  drafts: jax.Array        # [n, Kd]
+  draft_logq: jax.Array    # [n, Kd, V]
+  draft_conf: jax.Array    # [n, Kd]
+  key: jax.Array           # [n] the rows' PRNG keys for their decode steps

@@ -1,0 +1,177 @@
+"""One draft-and-verify step for every row at once, for any drafter and draft shape.
+
+  1. input: [last committed token, d_1..d_k] at positions length-1 .. length-1+k;
+  2. trunk: runs the k+1 tokens, writing their K/V into the cache at those positions;
+  3. verify: keeps the longest acceptable draft prefix and adds one token from the trunk;
+  4. commit: writes the accepted tokens, advances the length (rollback is the length alone);
+  5. draft: the drafter (drafters/) proposes the next drafts from what the step hands it;
+  6. record: one ring entry, the run's counters, and adaptive.observe for the controller.
+Rejected drafts leave K/V past the committed length: masked, and overwritten later.
+The draft shape today is a chain (shapes.Chain); a tree is another shape through the same step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from mtp_jax import adaptive
+from mtp_jax import ring as ring_lib
+from mtp_jax import sampling
+from mtp_jax.drafters.base import DraftInput, no_drafts
+from mtp_jax.shapes import Chain
+from mtp_jax.state import Caches, DecodeState, Drafts, Record
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+  """The static facts a step reads (hashable: part of the compiled program)."""
+  kd: int                   # drafts kept in the state (K_max)
+  eod_id: int
+  vocab_size: int
+  conf_threshold: float     # > 0: a row verifies its drafts before the first doubtful one
+  adaptive: bool            # an adaptive engine: rows verify only fresh drafts; a controller
+  adapt_warmup: int         # a row's first steps the controller's counts leave out
+
+
+def row_limit(sc: StepConfig, drafts: Drafts):
+  """Per row, the drafts it may verify: its fresh drafts, cut before the first one whose
+  confidence is below the threshold."""
+  if sc.conf_threshold <= 0 or sc.kd == 0:
+    return drafts.n_fresh
+  low = drafts.conf < sc.conf_threshold
+  cut = jnp.where(jnp.any(low, 1), jnp.argmax(low, 1), sc.kd).astype(jnp.int32)
+  return jnp.minimum(cut, drafts.n_fresh)
+
+
+def step(sc: StepConfig, drafter, m, dm, state: DecodeState, shape: Chain, sample: bool,
+         n_draft: int | None = None, want_conf: bool = True) -> DecodeState:
+  """One step verifying `shape` (static), then drafting n_draft (default Kd) for the next one.
+
+  The adaptive loop drafts only what the next step of the same k may verify (none in a plain
+  segment, so that choosing k = 0 costs what plain decoding costs; one head in the last two
+  steps of a probe segment); the drafts not made keep their old values with zero confidence and
+  are not fresh. want_conf: the controller reads this step's draft confidences
+  (DraftSpec.conf_cols). m, dm: the bound target and draft models (dm None but for a draft model).
+  """
+  k, nd = shape.k, sc.kd if n_draft is None else n_draft
+  rows = state.rows
+  length, active = rows.length, ~rows.done
+  keys = sampling.split_rows(state.sampling.key, 3)                    # per-row streams
+  key, k_verify, k_draft = keys[:, 0], keys[:, 1], keys[:, 2]
+  sp = state.sampling.processors
+  # 1. input
+  last = jnp.take_along_axis(rows.tokens, (length - 1)[:, None], axis=1)
+  drafts_BK = state.drafts.tokens[:, :k]
+  k_row = jnp.minimum(row_limit(sc, state.drafts), k)
+  inp_BT = jnp.concatenate([last, drafts_BK], axis=1)                   # [B, k+1]
+  pos_BT = (length - 1)[:, None] + jnp.arange(k + 1)[None]
+  # 2. trunk
+  h_BTD, trunk = m(inp_BT, pos_BT, state.caches.trunk)
+  logits_BTV = m.logits(h_BTD)
+  # 3. verify
+  n, out_BT, base_BV = _verify(sc, state, drafts_BK, logits_BTV, k_row, k_verify, sp, sample)
+  # 4. commit
+  rows, n_emit = _commit(sc, rows, n, out_BT, k)
+  presence = None
+  if sample:   # the history grows by the emitted tokens only: no second scan of the buffer
+    emitted = jnp.arange(k + 1)[None] < n_emit[:, None]
+    presence = base_BV.at[jnp.arange(length.shape[0])[:, None], out_BT].max(emitted)
+  # 5. draft
+  inp = DraftInput(h_BTD=h_BTD, n_B=n, tokens_BS=rows.tokens, start_B=length,
+                   length_B=rows.length, active_B=active, k=k, draft_cache=state.caches.draft,
+                   seq_h=state.caches.seq_h, key=k_draft, sp=sp, presence_BV=presence)
+  drafts, dcache, seq_h = _draft_next(sc, drafter, m, dm, inp, state.drafts, nd, sample,
+                                      want_conf)
+  # 6. record
+  record, ctrl = _record(sc, state, n, n_emit, out_BT, k_row, k)
+  rows = rows.replace(steps=rows.steps + active.astype(jnp.int32),
+                      emitted=rows.emitted + n_emit)
+  return DecodeState(rows=rows, drafts=drafts,
+                     caches=Caches(trunk=trunk, draft=dcache, seq_h=seq_h),
+                     sampling=state.sampling.replace(key=key), record=record, controller=ctrl)
+
+
+def _verify(sc, state, drafts_BK, logits_BTV, k_row, k_verify, sp, sample: bool):
+  """-> (accepted n [B], emitted tokens [B, k+1], the history's presence [B, V] when sampling).
+  Rows verify only their fresh drafts (n_fresh, and the threshold's cut): a stale draft was
+  proposed for another position. A fixed engine without a threshold has all k fresh in every
+  row (k_row == k), so it skips the masks."""
+  cut = k_row if sc.conf_threshold > 0 or sc.adaptive else None
+  if not sample:
+    return sampling.verify_greedy(drafts_BK, logits_BTV, cut) + (None,)
+  # Position j is verified against the history plus drafts 1..j.
+  k, v = drafts_BK.shape[1], sc.vocab_size
+  base = sampling.presence(state.rows.tokens, state.rows.length, v)
+  seen = jnp.cumsum(jax.nn.one_hot(drafts_BK, v, dtype=jnp.int32), axis=1) > 0   # [B, k, V]
+  pres = jnp.concatenate([base[:, None], base[:, None] | seen], axis=1)        # [B, k+1, V]
+  logp = sampling.process_logits(logits_BTV, *sp, pres)
+  n, out = sampling.verify_sampling(k_verify, drafts_BK, state.drafts.logq[:, :k], logp, cut)
+  return n, out, base
+
+
+def _commit(sc, rows, n, out_BT, k: int):
+  """Writes each active row's emitted tokens (up to the end-of-document token and its stop
+  length) and advances its length. -> (rows, tokens emitted [B])."""
+  active, length = ~rows.done, rows.length
+  idx = jnp.arange(k + 1)[None]
+  eod_at = jnp.min(jnp.where(out_BT == sc.eod_id, idx, k + 1), axis=1)
+  n_emit = jnp.minimum(jnp.minimum(n + 1, eod_at + 1), rows.stop_len - length)
+  n_emit = jnp.where(active, n_emit, 0)
+  write = jax.vmap(lambda row, new, start: jax.lax.dynamic_update_slice(row, new, (start,)))
+  tokens = jnp.where(active[:, None], write(rows.tokens, out_BT, length), rows.tokens)
+  new_length = length + n_emit
+  done = rows.done | (new_length >= rows.stop_len) | (active & (eod_at < n_emit))
+  return rows.replace(tokens=tokens, length=new_length, done=done), n_emit
+
+
+def _draft_next(sc, drafter, m, dm, inp: DraftInput, old: Drafts, nd: int, sample: bool,
+                want_conf: bool):
+  """The next drafts (nd of them; none in a plain step). -> (Drafts, draft cache, seq_h)."""
+  b = inp.n_B.shape[0]
+  dcache, seq_h = inp.draft_cache, inp.seq_h
+  if nd:
+    new, logq, conf, dcache, seq_h = drafter.draft(m, dm, inp, nd, sample, want_conf)
+  else:
+    new, logq, conf = no_drafts(b, sc.vocab_size)
+  made = new.shape[1]
+  if not sample:
+    # Only sampled verification reads q, and a row that samples runs sampled steps only
+    # (greedy rows verify exactly against any q): greedy steps leave logq as it is.
+    logq = old.logq
+  if made < sc.kd:     # the drafts not made keep their old values, with zero confidence
+    new = jnp.concatenate([new, old.tokens[:, made:]], 1)
+    if sample:
+      logq = jnp.concatenate([logq.astype(jnp.float32), old.logq[:, made:]], 1)
+    conf = jnp.concatenate([conf, jnp.zeros_like(old.conf[:, made:])], 1)
+  drafts = Drafts(tokens=new, logq=logq, conf=conf, n_fresh=jnp.full_like(old.n_fresh, made))
+  return drafts, dcache, seq_h
+
+
+def _record(sc, state, n, n_emit, out_BT, k_row, k: int):
+  """The step's ring entry, the run's per-position counters, the controller's counts.
+  -> (Record, controller)."""
+  rec, rows = state.record, state.rows
+  active = ~rows.done
+  n_active = jnp.sum(active.astype(jnp.int32))
+  verified = jnp.where(active, k_row, 0)
+  pos_k = jnp.arange(sc.kd)[None]
+  drafted = rec.drafted + jnp.sum((pos_k < verified[:, None]).astype(jnp.int32), 0)
+  accepted = rec.accepted + jnp.sum((active[:, None] & (n[:, None] > pos_k)).astype(jnp.int32), 0)
+  # Reached: verified there, every draft before it accepted; an adaptive engine does not
+  # count a row's warm-up steps (adaptive.row_window).
+  reached = (pos_k < verified[:, None]) & (n[:, None] >= pos_k)              # [B, Kd]
+  if sc.adaptive:
+    reached = reached & (rows.steps >= sc.adapt_warmup)[:, None]
+  hit = reached & (n[:, None] > pos_k)
+  ctrl = state.controller
+  if ctrl is not None:
+    ctrl = adaptive.observe(ctrl, reached, hit, rows.out_pos)
+  ring = ring_lib.record(rec.ring, rec.step, out_BT, n_emit, verified, jnp.where(active, n, 0),
+                         k, n_active, rows.steps, rows.out_pos)
+  record = Record(ring=ring, step=rec.step + 1, drafted=drafted, accepted=accepted,
+                  cond_trials=rec.cond_trials + jnp.sum(reached.astype(jnp.int32), 0),
+                  cond_hits=rec.cond_hits + jnp.sum(hit.astype(jnp.int32), 0))
+  return record, ctrl

@@ -1,0 +1,249 @@
+"""What adaptive k keeps on disk and measures on the host: the cost table c(k) (per device kind,
+model, slot count and code), the acceptance earlier runs of a model saw (its prior and its
+output-position profile), and the summaries of a finished run that feed them. One JSON file,
+default ~/.cache/mtp_jax/cost_tables.json ($XDG_CACHE_HOME respected).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtp_jax import ring as ring_lib
+from mtp_jax.adaptive import PROFILE_BUCKETS, PROFILE_KEEP, PROFILE_PRIOR_TRIALS
+
+
+# ----------------------------------------------------------------------------- a run's summaries
+
+
+def run_profile(trials_N, hits_N) -> list[float]:
+  """g per bucket from first-position counts per output-position bucket (DecodeState.pos_trials
+  / pos_hits, summed over runs): each bucket's rate, pulled towards the whole rate by
+  PROFILE_PRIOR_TRIALS, over the whole rate, scaled so that the trials' mean g is 1. All ones
+  (a flat profile) without counts. Host side."""
+  t, h = np.asarray(trials_N, float), np.asarray(hits_N, float)
+  if t.sum() <= 0 or h.sum() <= 0:
+    return [1.0] * len(t)
+  whole = h.sum() / t.sum()
+  g = (h + PROFILE_PRIOR_TRIALS * whole) / (t + PROFILE_PRIOR_TRIALS) / whole
+  g = g / (np.sum(t * g) / t.sum())
+  return [float(x) for x in np.clip(g, 0.25, 4.0)]
+
+
+def merge_profile_counts(old, new):
+  """Stored (trials, hits) per bucket plus a run's, scaled to at most PROFILE_KEEP trials in
+  all: earlier runs keep their say (a run that drafted only in its rows' first tokens does not
+  erase what longer drafting showed), and the profile still follows a change. Host side."""
+  t = np.asarray(new[0], float) + (0.0 if old is None else np.asarray(old[0], float))
+  h = np.asarray(new[1], float) + (0.0 if old is None else np.asarray(old[1], float))
+  scale = min(1.0, PROFILE_KEEP / max(t.sum(), 1.0))
+  return [round(float(x), 2) for x in t * scale], [round(float(x), 2) for x in h * scale]
+
+
+def run_rates(trials_K, hits_K, min_trials: int = 16) -> list[float]:
+  """Per draft position, the conditional acceptance rate of a finished run from its counters
+  (DecodeState.cond_trials / cond_hits): P(accept i | verified there with every draft before it
+  accepted), -1 where fewer than min_trials such drafts were verified. (Drafts accepted / drafts
+  verified per position would not do where k changed during the run: a later position is
+  verified only in the run's steps that draft that far, its position before in every drafting
+  step.) Host side; the next run's prior."""
+  out = []
+  for r, a in zip(np.asarray(trials_K, float), np.asarray(hits_K, float)):
+    out.append(float(np.clip(a / r, 0.0, 1.0)) if r >= min_trials else -1.0)
+  return out
+
+
+# ----------------------------------------------------------------------------- the cost table
+
+
+def _code_version() -> str:
+  """A hash of the modules a step's cost and its measurement depend on (this one included): a
+  table measured by other code is stale."""
+  from mtp_jax import adaptive, attention, cache, drafters, engine, loop, model, sampling, step
+  paths = [mod.__file__ for mod in (adaptive, attention, cache, engine, loop, model, sampling,
+                                    ring_lib, step)] + [__file__]
+  folder = os.path.dirname(drafters.__file__)
+  paths += [os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".py")]
+  h = hashlib.sha1()
+  for path in paths:
+    with open(path, "rb") as f:
+      h.update(f.read())
+  return h.hexdigest()[:8]
+
+
+def _runtime() -> str:
+  """What else sets a step's cost on the same device kind: the jax version, the XLA flags, the
+  devices and (on CPU) the cores this process may use. A table measured with one XLA thread is
+  wrong for a run with two, and the reverse."""
+  try:
+    cores = len(os.sched_getaffinity(0))
+  except AttributeError:            # not on Linux
+    cores = os.cpu_count()
+  flags = hashlib.sha1(os.environ.get("XLA_FLAGS", "").encode()).hexdigest()[:8]
+  return f"jax={jax.__version__}|devices={jax.device_count()}|cores={cores}|xla_flags={flags}"
+
+
+def table_key(engine) -> str:
+  m, d = engine.model_cfg, engine.cfg
+  dev = jax.devices()[0]
+  model = hashlib.sha1(repr((m, engine.heads_cfg)).encode()).hexdigest()[:12]
+  return f"{dev.platform}:{getattr(dev, 'device_kind', '')}|model={model}|slots={d.batch_size}" \
+         f"|max_len={d.max_len}|k_max={engine.kd}|adapt_every={d.adapt_every}" \
+         f"|code={_code_version()}|{_runtime()}"
+
+
+def default_table_path() -> str:
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "mtp_jax", "cost_tables.json")
+
+
+def _load_entry(path: str, key: str):
+  try:
+    with open(path) as f:
+      return json.load(f).get(key)
+  except (OSError, json.JSONDecodeError, AttributeError):
+    return None
+
+
+def _save_entry(path: str, key: str, entry: dict):
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  try:
+    with open(path) as f:
+      tables = json.load(f)
+  except (OSError, json.JSONDecodeError):
+    tables = {}
+  if not isinstance(tables, dict):
+    tables = {}
+  tables[key] = {**entry, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+  tmp = f"{path}.{os.getpid()}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(tables, f, indent=2)
+  os.replace(tmp, path)
+
+
+def load_table(path: str, key: str):
+  entry = _load_entry(path, key)
+  return None if entry is None else [float(x) for x in entry["cost_s"]]
+
+
+def save_table(path: str, key: str, cost: list[float], **info):
+  _save_entry(path, key, {"cost_s": cost, **info})
+
+
+# ----------------------------------------------------------------------------- stored acceptance
+
+
+def params_fingerprint(params) -> str:
+  """A short hash of the weights (each leaf's shape, dtype and the first 64 values of its first
+  row): acceptance is a property of the trained heads, and two models of one config accept
+  differently. Reads a few values per leaf, never a whole (possibly sharded) array."""
+  h = hashlib.sha1()
+  for leaf in jax.tree.leaves(params):
+    leaf = jnp.asarray(leaf)
+    row = leaf[(0,) * (leaf.ndim - 1)] if leaf.ndim else leaf[None]
+    head = np.asarray(jax.device_get(row[:64]), np.float32)
+    h.update(repr((leaf.shape, str(leaf.dtype))).encode())
+    h.update(head.tobytes())
+  return h.hexdigest()[:12]
+
+
+def rates_key(engine, fingerprint: str, sampled: bool) -> str:
+  """Key of a model's measured acceptance per draft position in the tables file: the weights,
+  the drafter and K_max, greedy or sampled (rejection sampling accepts less), but not the
+  device or the slot count (acceptance is the model's and the text's, not the machine's)."""
+  return (f"acceptance|weights={fingerprint}|drafter={engine.drafter}|k_max={engine.kd}"
+          f"|{'sampled' if sampled else 'greedy'}")
+
+
+def load_rates(path: str, key: str) -> list[float] | None:
+  """The stored acceptance per draft position (-1 where unknown), or None."""
+  entry = _load_entry(path, key)
+  try:
+    return [float(x) for x in entry["rates"]]
+  except (KeyError, TypeError, ValueError):
+    return None
+
+
+def load_profile(path: str, key: str):
+  """The stored profile counts (trials, hits) per output-position bucket, or None."""
+  entry = _load_entry(path, key)
+  try:
+    t, h = [float(x) for x in entry["profile_trials"]], [float(x) for x in entry["profile_hits"]]
+  except (KeyError, TypeError, ValueError):
+    return None
+  return (t, h) if len(t) == len(h) == PROFILE_BUCKETS else None
+
+
+def save_rates(path: str, key: str, rates: list[float], profile=None):
+  """rates: the level per draft position; profile: (trials, hits) per output-position bucket."""
+  entry = {"rates": [round(float(r), 4) for r in rates]}
+  if profile is not None:
+    entry["profile_trials"], entry["profile_hits"] = list(profile[0]), list(profile[1])
+  _save_entry(path, key, entry)
+
+
+def monotone(cost: list[float]) -> list[float]:
+  """The closest non-decreasing sequence (pool adjacent violators): a step never costs less
+  with more drafts, so a measured dip is noise, and averaging it with its neighbour keeps the
+  controller from skipping over a k that merely measured high."""
+  blocks = []                                     # [mean, count]
+  for c in cost:
+    blocks.append([c, 1])
+    while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+      (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
+      blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+  return [m for m, n in blocks for _ in range(n)]
+
+
+def measure_costs(engine, params, rel_err: float = 0.02, budget_s: float = 60.0,
+                  min_rounds: int = 10, max_rounds: int = 400, steps: int = 32):
+  """Seconds per step with k = 0..K_max drafts, every slot active: warm, `steps` steps per
+  run, every k once per round (in alternating order). The controller only weighs costs against
+  each other, so c(k) is the median over rounds of c(k) / c(0) within the round (a slow spell
+  of a shared machine slows a whole round alike) times the median c(0); made non-decreasing in
+  k (see monotone). One run's time on a shared machine is off by several percent, and a table
+  off by 8% in c(3) / c(1) turns the controller to the wrong k: rounds go on until the
+  standard error of every ratio is below rel_err, or budget_s has passed (after min_rounds).
+  -> (cost [K+1], {"rounds", "rel_se": the largest standard error of a ratio})."""
+  b, k1 = engine.cfg.batch_size, engine.kd + 1
+  steps = min(steps, engine.cfg.ring_size)
+  rng = np.random.default_rng(0)
+  prompts = [list(rng.integers(0, engine.model_cfg.vocab_size, 8)) for _ in range(b)]
+  prefix = engine.prefill(params, prompts, jax.random.key(0), [0.0] * b, [0] * b, [1.0] * b)
+
+  def one(k):
+    state = engine.insert(prefix, engine.init_state(), list(range(b)), engine.cfg.max_len,
+                          0.0, 0, 1.0)
+    state = engine.put(state, k_force=k)
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    state = engine.generate(params, state, steps, sample=False)
+    ran = int(state.record.step)
+    return (time.perf_counter() - t0) / max(ran, 1)
+
+  for k in range(k1):                                # compiles / warms up
+    one(k)
+  rows, se, start = [], float("inf"), time.perf_counter()
+  while len(rows) < max_rounds:
+    order = range(k1) if len(rows) % 2 == 0 else range(k1 - 1, -1, -1)
+    row = [0.0] * k1
+    for k in order:
+      row[k] = one(k)
+    rows.append(row)
+    n = len(rows)
+    if n >= min_rounds:
+      t = np.asarray(rows)                                       # [rounds, K+1]
+      lr = np.log(t[:, 1:] / t[:, :1])
+      # of a median; 0 for an engine without drafts (nothing to weigh against c(0))
+      se = float(np.max(1.2533 * lr.std(axis=0, ddof=1) / np.sqrt(n), initial=0.0))
+      if se < rel_err or time.perf_counter() - start > budget_s:
+        break
+  t = np.asarray(rows).T                                         # [K+1, rounds]
+  cost = monotone([float(np.median(t[0]) * np.median(t[k] / t[0])) for k in range(k1)])
+  return cost, {"rounds": len(rows), "rel_se": round(se, 4)}

@@ -229,7 +229,7 @@ class Engine:
       first = sampling.sample(k_first, sampling.process_logits(logits, *sp, presence))
       presence = presence.at[jnp.arange(n), first].set(True)
     else:
-      first = jnp.argmax(logits, -1).astype(jnp.int32)
+      first = sampling.argmax(logits)
     # The drafters that read tokens draft from the history, the first token included.
     hist = history(tokens_NP, length_N, first, self.kd)
     drafts, logq, conf, dcache, seq_h = self.drafter_impl.prefill(

@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp_jax import sampling
 from mtp_jax.sampling import NEG_INF, row_keys
 from mtp_jax.shapes import Tree
 
@@ -132,7 +133,7 @@ def verify_greedy(tree: Tree, nodes_BT, logits_BPV) -> Verdict:
   inner_I = np.flatnonzero(tree.children_PR[:, 0] >= 0)         # the root always has children
   slot_P = np.zeros(tree.size + 1, np.int32)
   slot_P[inner_I] = np.arange(len(inner_I))
-  target_BI = jnp.argmax(logits_BPV[:, inner_I], -1).astype(jnp.int32)
+  target_BI = sampling.argmax(logits_BPV[:, inner_I])
   match_BT = nodes_BT == target_BI[:, slot_P[tree.parent + 1]]
   ok_BT = ~jnp.any(tree.mask_TT[None] & ~match_BT[:, None, :], -1)   # every ancestor matches
   t = tree.size
@@ -143,7 +144,7 @@ def verify_greedy(tree: Tree, nodes_BT, logits_BPV) -> Verdict:
   path_BD = jnp.where(hit_B[:, None], jnp.asarray(tree.paths_TD)[best_B], -1)
   last_B = jnp.where(hit_B, best_B + 1, 0).astype(jnp.int32)
   rows = jnp.arange(nodes_BT.shape[0])
-  bonus_B = jnp.argmax(logits_BPV[rows, last_B], -1).astype(jnp.int32)
+  bonus_B = sampling.argmax(logits_BPV[rows, last_B])
   return Verdict(n_B, path_BD, _emitted(nodes_BT, path_BD, n_B, bonus_B), last_B)
 
 

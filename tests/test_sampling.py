@@ -80,3 +80,13 @@ def test_sampling_rule_on_one_hot_rows_is_the_greedy_rule():
   for seed in range(5):
     n, out = S.verify_sampling(jax.random.key(seed), drafts, logq, logp)
     assert int(n[0]) == 1 and out[0, :2].tolist() == [5, 6]
+
+
+def test_argmax_equals_jnp_argmax_first_index_on_ties():
+  x = jax.random.normal(jax.random.key(3), (5, 3, 257))
+  x = x.at[0, 0, 7].set(9.0).at[0, 0, 200].set(9.0)    # a tie: the first index wins
+  x = x.at[1, 2].set(0.0)                               # all equal
+  got = S.argmax(x)
+  assert got.dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(x, -1)))
+  assert int(got[0, 0]) == 7 and int(got[1, 2]) == 0

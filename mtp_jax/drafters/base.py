@@ -75,7 +75,7 @@ def pick(logits_BV, subs, i: int, sp, presence_BV, sample: bool, want_conf: bool
     d = sampling.sample(subs[:, i], logq)
     return d, logq, jnp.exp(jnp.max(logq, -1)), presence_BV.at[jnp.arange(b), d].set(True)
   conf = peak_prob(logits_BV) if want_conf else jnp.zeros((b,), jnp.float32)
-  return (jnp.argmax(logits_BV, -1).astype(jnp.int32), jnp.zeros((b, v), jnp.float32), conf,
+  return (sampling.argmax(logits_BV), jnp.zeros((b, v), jnp.float32), conf,
           presence_BV)
 
 

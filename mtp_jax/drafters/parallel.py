@@ -45,7 +45,7 @@ class ParallelHeads:
       conf_BN = jnp.zeros((b, n), jnp.float32)
       if c:
         conf_BN = conf_BN.at[:, :c].set(peak_prob(logits[:, :c]))
-      return (jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((b, n, v), jnp.float32),
+      return (sampling.argmax(logits), jnp.zeros((b, n, v), jnp.float32),
               conf_BN)
     drafts, logqs = [], []
     subs = sampling.split_rows(key, self.spec.kd)                       # [B, Kd] row keys

@@ -73,6 +73,7 @@ def test_argmax_matches_brute_force():
     assert _choose(cost, alpha, active) == best_k
 
 
+@pytest.mark.slow
 def test_only_the_k_that_can_pay_are_kept():
   assert A.viable_ks([1.0, 2.0, 3.0, 4.0]) == (0,)           # compute bound: k+1 tokens, k+1 steps
   assert A.viable_ks([1.0, 1.01, 1.02, 1.03]) == (0, 1, 2, 3)
@@ -385,6 +386,7 @@ class _Compiles(logging.Handler):
     self.n += "Compiling" in record.getMessage()
 
 
+@pytest.mark.slow
 def test_k_changes_between_steps_without_recompiles_and_output_is_unchanged(trained_tiny):
   _, workdir, _ = trained_tiny
   mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
@@ -470,6 +472,7 @@ def test_a_rows_own_counts_are_not_counted_twice():
   np.testing.assert_allclose(np.asarray(n), [[16.0], [16.0]])
 
 
+@pytest.mark.slow
 def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(trained_tiny):
   """A probe ends a plain segment: its second-to-last step drafts one head, its last step
   verifies that draft (a step of one draft: real acceptance for the window, even where the
@@ -516,6 +519,7 @@ def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(
   assert int(state.controller.probe_gap) == 2
 
 
+@pytest.mark.slow
 def test_segments_of_all_heads_run_in_the_calls_top_level_loop(trained_tiny):
   """Drafting segments run in the call's top-level loops: where the probe loop would begin
   one, the call ends at that segment boundary and the next call runs it there."""
@@ -543,6 +547,7 @@ def test_segments_of_all_heads_run_in_the_calls_top_level_loop(trained_tiny):
   assert np.asarray(state.record.ring.k_used)[6:10].tolist() == [kd] * 4
 
 
+@pytest.mark.slow
 def test_adaptive_loop_writes_the_kv_cache_in_place(trained_tiny):
   """Choosing k costs no copy of the KV cache: every step variant of the adaptive loop updates
   it in place, as a fixed-k engine's step does (the compiled loop holds no copy of a cache
@@ -563,6 +568,7 @@ def test_adaptive_loop_writes_the_kv_cache_in_place(trained_tiny):
       assert not copies, (adaptive, sample, copies[:3])
 
 
+@pytest.mark.slow
 def test_only_the_variants_that_can_pay_are_compiled(trained_tiny):
   """A k whose best case (every draft accepted) does not beat plain decoding under the cost
   table gets no loop; with none left the adaptive engine compiles plain decoding's loop. The
@@ -684,6 +690,7 @@ def test_rows_own_counts_remember_past_the_window(trained_tiny):
   np.testing.assert_allclose(np.asarray(state.controller.row_trials)[0], trials[0], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_cost_table_is_measured_to_the_asked_precision(trained_tiny):
   """Rounds of every k go on until each cost ratio's standard error is below rel_err, or the
   time budget is spent (after min_rounds); the table is non-decreasing in k."""
@@ -706,6 +713,7 @@ def test_cost_table_is_measured_to_the_asked_precision(trained_tiny):
   assert len(cost) == 1 and cost[0] > 0 and info == {"rounds": 2, "rel_se": 0.0}
 
 
+@pytest.mark.slow
 def test_a_later_process_starts_from_the_acceptance_a_run_stored(trained_tiny, tmp_path):
   """Beside the cost table, a run stores the acceptance per position it measured, keyed by the
   weights, greedy and sampled apart; a new decoder of the same model starts from the first

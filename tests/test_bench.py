@@ -14,6 +14,7 @@ FIELDS = ("mode", "batch_size", "tokens_per_s", "acceptance_length", "speedup", 
           "tpot_ms_p50", "tpot_ms_p99", "host_overhead_us", "roofline_fraction")
 
 
+@pytest.mark.slow
 def test_every_mode_writes_json_table_and_plot(trained_tiny, tmp_path):
   _, workdir, _ = trained_tiny
   model = os.path.join(workdir, "model")

@@ -149,6 +149,7 @@ class _CompileCounter(logging.Handler):
       self.messages.append(record.getMessage()[:200])
 
 
+@pytest.mark.slow
 def test_no_recompilation_after_warmup(seq_model):
   model = seq_model[0]
   tok = model[3]

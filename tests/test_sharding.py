@@ -39,11 +39,13 @@ def _run(case, tmp_path):
   return r.stdout
 
 
+@pytest.mark.slow
 def test_sharded_train_step_equals_one_device(tmp_path):
   out = _run("train_steps", tmp_path)
   assert "data:2,model:4" in out
 
 
+@pytest.mark.slow
 def test_sharded_decode_and_restore_across_meshes(tmp_path):
   out = _run("decode_and_restore", tmp_path)
   assert "model:8" in out and "data:8" in out

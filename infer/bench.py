@@ -40,12 +40,15 @@ _REPEATS = flags.DEFINE_integer(
 _TEMP = flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0 = greedy).")
 # The choices of DecodeConfig.attention / kv_dtype, spelled out so that flags are checked
 # before JAX is imported.
-_ATTN = flags.DEFINE_enum("attention", "blocked", ["dense", "blocked"],
+_ATTENTIONS = ("dense", "blocked")
+_KV_DTYPES = ("auto", "float32", "bfloat16", "int8", "float8_e4m3fn")
+_ATTN = flags.DEFINE_list("attention", ["blocked"],
                           "Decode attention: dense (every cache position) or blocked (blocks "
-                          "up to the longest row).")
-_KV_DTYPE = flags.DEFINE_enum("kv_dtype", "auto",
-                              ["auto", "float32", "bfloat16", "int8", "float8_e4m3fn"],
-                              "KV cache storage (auto: the compute dtype).")
+                          "up to the longest row); several: every mode runs with each, side by "
+                          "side.")
+_KV_DTYPE = flags.DEFINE_list("kv_dtype", ["auto"],
+                              f"KV cache storage, one or more of {', '.join(_KV_DTYPES)} (auto: "
+                              "the compute dtype); several: every mode runs with each.")
 _MAX_LEN = flags.DEFINE_integer("max_len", 0, "Cache length per slot; 0: what the prompts and "
                                 "new tokens need.")
 _ROOF = flags.DEFINE_bool("roofline", True, "Measure bandwidth and matmul throughput.")
@@ -74,6 +77,12 @@ def check_flags() -> list[int]:
     checks.model_dir("model", _MODEL.value)
   if any(m.startswith("draft:") for m in _MODES.value):
     checks.model_dir("draft_model", _DRAFT.value)
+  for name, flag, allowed in (("attention", _ATTN, _ATTENTIONS),
+                              ("kv_dtype", _KV_DTYPE, _KV_DTYPES)):
+    bad = [v for v in flag.value if v not in allowed] or ([] if flag.value else [""])
+    if bad:
+      raise checks.FlagError(f"--{name}={','.join(flag.value)}: unknown value {bad[0]!r} "
+                             f"(expected one or more of {', '.join(allowed)})")
   checks.prompts_spec("prompts", _PROMPTS.value)
   if _OUT.value:
     checks.output_dir("out", _OUT.value)

@@ -189,11 +189,14 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
         prompt_tokens: int = 64, rounds: int = 1, repeats: int = 2, warmup: int = 1,
         temperature: float = 0.0, prompts: str = "", draft_model: str = "",
         machine: dict | None = None, log=print, cost_table: str | None = None,
-        mesh: str | None = None, attention: str = DecodeConfig.attention,
-        kv_dtype: str = DecodeConfig.kv_dtype, max_len: int = 0, progress=None) -> list[Result]:
+        mesh: str | None = None, attention=DecodeConfig.attention,
+        kv_dtype=DecodeConfig.kv_dtype, max_len: int = 0, progress=None) -> list[Result]:
   """mesh: a mesh shape ('data:2,model:4') to decode on; None = one device. progress(done,
-  total, what): called after each mode's compile and each timed run (total: all of them)."""
-  done, total = 0, len(batch_sizes) * len(modes) * (1 + repeats)
+  total, what): called after each mode's compile and each timed run (total: all of them).
+  attention, kv_dtype: one value, or several: then every mode runs once per combination, side
+  by side, labelled 'mode attention kv_dtype'; speedups are to the first combination's vanilla."""
+  variants = _variants(modes, attention, kv_dtype)
+  done, total = 0, len(batch_sizes) * len(variants) * (1 + repeats)
   tick = progress or (lambda *a: None)
   mcfg, hcfg, params, tok = load_model(model)
   device_mesh = None if mesh is None else sharding_lib.make_mesh(mesh)
@@ -212,7 +215,7 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
             for i, p in enumerate(ids)]
     longest = max(len(p) for p in ids)
     decoders, compile_s = {}, {}
-    for mode in modes:
+    for label, (mode, attention, kv_dtype) in variants.items():
       drafter, k = parse_mode(mode)
       kd = hcfg.num if k == "auto" else k
       # By default the cache holds what a row can reach; --max_len sets a serving-sized one.
@@ -230,16 +233,17 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
       if k == "auto":
         dec.calibrate(cost_table)
       dec.warmup(longest)
-      compile_s[mode] = time.perf_counter() - t0
+      compile_s[label] = time.perf_counter() - t0
       for _ in range(warmup):
         dec.run(reqs[:b])                                 # host-side helpers warmed too
-      decoders[mode] = dec
+      decoders[label] = dec
       done += 1
-      tick(done, total, f"batch {b} {mode}: compiled in {compile_s[mode]:.0f}s")
-    runs = {m: [] for m in modes}
+      tick(done, total, f"batch {b} {label}: compiled in {compile_s[label]:.0f}s")
+    runs = {m: [] for m in variants}
+    labels = list(variants)
     t_first = time.perf_counter()
     for rep in range(repeats):
-      for mode in (modes if rep % 2 == 0 else modes[::-1]):
+      for mode in (labels if rep % 2 == 0 else labels[::-1]):
         dec = decoders[mode]
         t0 = time.perf_counter()
         outs = dec.run(reqs)
@@ -261,13 +265,28 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
         done += 1
         tick(done, total, f"batch {b} {mode}: {n / dt:,.0f} tokens/s, acceptance "
              f"{st['acceptance_length']:.2f}")
-    for mode in modes:
-      r = summarize(runs[mode], runs.get("vanilla"))
+    base = next((runs[m] for m, v in variants.items() if v[0] == "vanilla"), None)
+    for mode in labels:
+      r = summarize(runs[mode], base)
       _roofline(r, decoders[mode], mcfg, hcfg, params, draft, machine,
                 kv_read_positions(decoders[mode].engine.cfg, longest, max_new_tokens))
       results.append(r)
       log(format_row(r))
   return results
+
+
+def _variants(modes, attention, kv_dtype) -> dict[str, tuple[str, str, str]]:
+  """-> {label: (mode, attention, kv_dtype)}: each mode per attention and cache dtype given (a
+  string or a list), the combinations in the order given; labels name what varies."""
+  attns = [attention] if isinstance(attention, str) else list(attention)
+  kvs = [kv_dtype] if isinstance(kv_dtype, str) else list(kv_dtype)
+  out = {}
+  for a in attns:
+    for kv in kvs:
+      for mode in modes:
+        varied = ([a] if len(attns) > 1 else []) + ([kv] if len(kvs) > 1 else [])
+        out[" ".join([mode] + varied)] = (mode, a, kv)
+  return out
 
 
 def summarize(runs: list[Result], base: list[Result] | None) -> Result:

@@ -67,6 +67,14 @@ def test_cli_rejects_an_unknown_mode():
   assert r.returncode != 0 and "unknown mode 'fast:3'" in r.stderr
 
 
+def test_each_attention_and_cache_dtype_is_a_variant_of_every_mode():
+  assert benchmark._variants(["vanilla", "mtp:1"], "blocked", "auto") == {
+      "vanilla": ("vanilla", "blocked", "auto"), "mtp:1": ("mtp:1", "blocked", "auto")}
+  v = benchmark._variants(["vanilla", "mtp:1"], ["dense", "blocked"], ["int8"])
+  assert list(v) == ["vanilla dense", "mtp:1 dense", "vanilla blocked", "mtp:1 blocked"]
+  assert v["mtp:1 blocked"] == ("mtp:1", "blocked", "int8")
+
+
 def test_speedup_is_the_median_of_paired_ratios():
   def res(mode, tps):
     return benchmark.Result(mode, 4, tps, 1.0, [], 100, 100 / tps, 10, 1.0, 1.0, 1.0, 1.0, 1.0,

@@ -77,6 +77,8 @@ def test_infer_empty_prompt_file(tmp_path, no_jax):
     (["--model=/no/such/model"], "--model=/no/such/model: no such directory"),
     (["--model=config:nope"], "--model=config:nope: no configs/nope.py"),
     (["--repeats=0"], "--repeats=0: must be >= 1"),
+    (["--attention=dense,flash"], "--attention=dense,flash: unknown value 'flash'"),
+    (["--kv_dtype=int4"], "--kv_dtype=int4: unknown value 'int4'"),
 ])
 def test_bench_bad_flag(tmp_path, no_jax, flags, expected):
   line = _run("infer.bench", [f"--model={MODEL}", *flags], f"{no_jax}{os.pathsep}{ROOT}")

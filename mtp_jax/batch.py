@@ -218,7 +218,7 @@ def _openai_record(item: Item, c: Completion | None, model: str) -> dict:
 def read_items(decoder, input_path: str, done_keys: set, defaults: Defaults) -> list[Item]:
   """Parses the input file (skipping lines whose key is done); duplicates become errors."""
   eng = decoder.engine
-  max_prompt = eng.cfg.max_len - eng.kd - 2
+  max_prompt = eng.cfg.max_len - eng.span - 2
   max_new_cap = eng.cfg.max_len
   items, seen = [], set()
   with open(input_path, "rb") as f:
@@ -305,7 +305,8 @@ def run_job(decoder, input_path: str, output_path: str, defaults: Defaults, prog
   decode_wall = time.perf_counter() - t_start
   stats = decoder.last_stats if served else {}
   summary = {**counts, "rows": len(items), "slots": decoder.engine.cfg.batch_size,
-             "k": "auto" if decoder.engine.cfg.adaptive else decoder.engine.kd,
+             "k": "auto" if decoder.engine.cfg.adaptive else
+                  decoder.engine.tree.name if decoder.engine.tree else decoder.engine.kd,
              "wall_s": round(wall, 3), "decode_wall_s": round(decode_wall, 3),
              "tokens_per_s": round(counts["tokens"] / decode_wall, 2) if served else 0.0,
              # Per row step over every row of the job, as the progress line shows it (the

@@ -256,6 +256,8 @@ class DecodeConfig:
   attention_block: int = 128        # blocked: positions per block (compile-time)
   kv_dtype: str = "auto"            # KV cache storage: auto (the compute dtype) | float32 |
                                     # bfloat16 | int8 | float8_e4m3fn (scale per position, head)
+  tree: tuple = ()                  # a token tree (shapes.Tree choices, from shapes.tree_for):
+                                    # each step verifies it instead of a chain; () = a chain
 
   def __post_init__(self):
     _positive(self, "batch_size", "ring_size", "min_bucket", "accept_window", "probe_every",
@@ -290,6 +292,11 @@ class DecodeConfig:
     if max_len > model.max_seq_len:
       _fail("decode.max_len", self.max_len, f"must be <= model.max_seq_len={model.max_seq_len}")
     k = heads.num if self.k == -1 else self.k
+    span = k                  # inputs a step adds past the last committed token
+    if self.tree:
+      from mtp_jax import shapes  # a tree's checks live with the shapes
+      tree = shapes.decode_tree(self, heads)
+      k, span = tree.max_depth, tree.size
     reuse = self.reuse_module or (heads.kind == "sequential" and heads.num == 1 and k > 1
                                   and self.drafter == "heads")   # one module: the only way
     if self.reuse_module and (heads.kind != "sequential" or self.drafter != "heads"):
@@ -298,8 +305,9 @@ class DecodeConfig:
     if k > heads.num and self.drafter == "heads" and not reuse:
       _fail("decode.k", self.k, f"must be <= heads.num={heads.num}"
             + (" (or set decode.reuse_module)" if heads.kind == "sequential" else ""))
-    if max_len <= k + 1:
-      _fail("decode.max_len", max_len, f"must be > k + 1 = {k + 1}")
+    if max_len <= span + 1:
+      _fail("decode.max_len", max_len, f"must be > {'tree nodes' if self.tree else 'k'} + 1 = "
+            f"{span + 1}")
     return dataclasses.replace(self, max_len=max_len, k=k, reuse_module=reuse,
                                prefill_rows=min(self.prefill_rows, self.batch_size))
 

@@ -31,7 +31,7 @@ from mtp_jax import step as step_lib
 from mtp_jax import tables
 from mtp_jax.config import DecodeConfig, HeadsConfig, ModelConfig
 from mtp_jax.drafters.base import history, peak_prob  # noqa: F401  (peak_prob: re-exported)
-from mtp_jax.shapes import Chain
+from mtp_jax.shapes import Chain, Tree
 from mtp_jax.state import Caches, DecodeState, Drafts, Prefix, Record, Rows
 
 __all__ = ["Caches", "DecodeState", "Drafts", "Engine", "Prefix", "Record", "Rows", "stats"]
@@ -66,6 +66,10 @@ class Engine:
                          f"target's {model_cfg.vocab_size}")
       self.draft_graphdef, _ = model_lib.abstract(*draft_model)
     self.kd = self.cfg.k
+    # A tree engine verifies its tree every step (kd: its depth); span: the inputs a step adds
+    # past the last committed token (k, or T nodes), kept free at the end of every row's cache.
+    self.tree = Tree(self.cfg.tree) if self.cfg.tree else None
+    self.span = self.kd if self.tree is None else self.tree.size
     # Seconds per step for k = 0..Kd; until calibrated, equal costs (the controller then only
     # weighs expected tokens).
     self.cost = [1.0] * (self.kd + 1)
@@ -115,7 +119,9 @@ class Engine:
     rows = Rows(tokens=jnp.zeros((b, s), jnp.int32), length=jnp.ones((b,), jnp.int32),
                 prompt_len=jnp.ones((b,), jnp.int32), stop_len=jnp.ones((b,), jnp.int32),
                 done=jnp.ones((b,), bool), steps=zeros_b, emitted=zeros_b)
-    drafts = Drafts(tokens=jnp.zeros((b, kd), jnp.int32), logq=jnp.zeros((b, kd, v), jnp.float32),
+    draft_BK = (b, kd) if self.tree is None else (b, kd, self.tree.top_k)   # a tree: [B, Kd, R]
+    drafts = Drafts(tokens=jnp.zeros(draft_BK, jnp.int32),
+                    logq=jnp.zeros((b, kd, v), jnp.float32),
                     conf=jnp.zeros((b, kd), jnp.float32), n_fresh=zeros_b)
     draft, seq_h = self.drafter_impl.init_cache(b, s)
     caches = Caches(trunk=kv.init_cache(self.model_cfg, b, s, *self.cache_args), draft=draft,
@@ -143,11 +149,12 @@ class Engine:
                              getattr(ctrl, name).sharding) for name, v in values.items()}))
 
   def bucket(self, n: int) -> int:
-    """The prefill bucket (a power of two >= min_bucket, at most max_len - k - 1) for n tokens."""
-    cap = self.cfg.max_len - self.kd - 1
+    """The prefill bucket (a power of two >= min_bucket, at most max_len - span - 1) for n
+    tokens."""
+    cap = self.cfg.max_len - self.span - 1
     if n > cap:
       raise ValueError(f"prompt of {n} tokens does not fit the context ({self.cfg.max_len} "
-                       f"positions, {self.kd + 1} kept free for one step)")
+                       f"positions, {self.span + 1} kept free for one step)")
     b = self.cfg.min_bucket
     while b < n:
       b *= 2
@@ -175,7 +182,7 @@ class Engine:
     return adaptive.viable_ks(self.cost, self.cfg.adapt_margin)
 
   def buckets(self, max_prompt_len: int | None = None) -> list[int]:
-    top = self.bucket(max_prompt_len or self.cfg.max_len - self.kd - 1)
+    top = self.bucket(max_prompt_len or self.cfg.max_len - self.span - 1)
     out, b = [], self.cfg.min_bucket
     while b < top:
       out.append(b)
@@ -276,7 +283,7 @@ class Engine:
     row_tokens = jnp.where(jnp.arange(s)[None] < prefix.length[:, None], row_tokens, 0)
     row_tokens = row_tokens.at[jnp.arange(n), prefix.length].set(prefix.first)
     length = prefix.length + 1
-    stop_len = jnp.minimum(prefix.length + max_new, s - self.kd - 1)
+    stop_len = jnp.minimum(prefix.length + max_new, s - self.span - 1)
     done = (length >= stop_len) | (prefix.first == self.eod_id)
     z = jnp.zeros((n,), jnp.int32)
     r = state.rows
@@ -316,8 +323,10 @@ class Engine:
 
   def step(self, m, state: DecodeState, k: int, sample: bool, n_draft: int | None = None,
            dm=None, want_conf: bool = True) -> DecodeState:
-    """One step verifying a chain of k drafts (see step.step)."""
-    return step_lib.step(self.step_cfg, self.drafter_impl, m, dm, state, Chain(k), sample,
+    """One step verifying a chain of k drafts, or a tree engine's tree (k is then its depth;
+    see step.step)."""
+    shape = Chain(k) if self.tree is None else self.tree
+    return step_lib.step(self.step_cfg, self.drafter_impl, m, dm, state, shape, sample,
                          n_draft, want_conf)
 
   def controller_limit(self, state: DecodeState):
@@ -337,17 +346,19 @@ class Engine:
     return adaptive.choose(state, self.controller_limit(state), allowed, self.cfg.accept_window,
                            self.cfg.adapt_warmup, self.cfg.adapt_margin)
 
-  def _generate_impl(self, params, state: DecodeState, num_steps, refill, sample: bool,
-                     ks: tuple[int, ...] | None = None):
+  def _generate_impl(self, params, state: DecodeState, num_steps, refill, idle_steps,
+                     sample: bool, ks: tuple[int, ...] | None = None):
     m, dm = self._bind(params)
-    run = loop_lib.Loop(self, m, dm, state, num_steps, refill, sample, ks)
+    run = loop_lib.Loop(self, m, dm, state, num_steps, refill, idle_steps, sample, ks)
     return run.adaptive(state) if self.cfg.adaptive else run.fixed(state, self.kd, None)
 
   def generate(self, params, state: DecodeState, num_steps: int | None = None,
-               sample: bool | None = None, refill: int = 0) -> DecodeState:
-    """Runs up to num_steps (<= ring capacity) steps; `state` is donated. refill > 0: stop
-    after the step in which the refill-th row finishes (requests wait for slots); not a
-    compiled variant."""
+               sample: bool | None = None, refill: int = 0,
+               idle_steps: float = 0.0) -> DecodeState:
+    """Runs up to num_steps (<= ring capacity) steps; `state` is donated. refill > 0 (requests
+    wait for slots): stop after the step in which the refill-th row finishes, or once the rows
+    finished in this call have stood idle idle_steps slot-steps in all (0: as soon as one
+    finishes); neither is a compiled variant."""
     num_steps = self.cfg.ring_size if num_steps is None else num_steps
     if not 0 < num_steps <= self.cfg.ring_size:
       raise ValueError(f"num_steps={num_steps} must be in 1..ring_size={self.cfg.ring_size}")
@@ -355,7 +366,8 @@ class Engine:
       sp = state.sampling
       sample = needs_sampling(np.asarray(sp.temperature), np.asarray(sp.penalty))
     return self._generate(params, state, jnp.asarray(num_steps, jnp.int32),
-                          jnp.asarray(refill, jnp.int32), sample=sample, ks=self.ks)
+                          jnp.asarray(refill, jnp.int32), jnp.asarray(idle_steps, jnp.float32),
+                          sample=sample, ks=self.ks)
 
 
 def tree_bytes(tree) -> int:

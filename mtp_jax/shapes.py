@@ -205,6 +205,29 @@ def _check_structure(choices) -> None:
     raise ShapeError("tree paths must be ordered by depth, then path (use Tree.from_choices)")
 
 
+def decode_tree(decode_cfg, heads_cfg) -> Tree:
+  """The tree of a DecodeConfig (decode.tree), checked against the decode options and the heads:
+  a fixed shape of the parallel heads' ranked candidates. Raises ConfigError naming the field."""
+  from mtp_jax.config import ConfigError
+  d = decode_cfg
+  try:
+    tree = Tree(d.tree)
+    tree.check_heads(heads_cfg.num)
+  except ShapeError as e:
+    raise ConfigError(f"decode.tree={d.tree!r}: {e}") from None
+  if heads_cfg.kind != "parallel":
+    raise ConfigError(f"heads.kind={heads_cfg.kind!r}: a tree (decode.tree) needs parallel "
+                      "heads (sequential modules would run once per branch)")
+  for name, bad in (("drafter", d.drafter != "heads"), ("adaptive", d.adaptive),
+                    ("confidence_threshold", d.confidence_threshold > 0),
+                    ("k", d.k not in (-1, tree.max_depth))):
+    if bad:
+      raise ConfigError(f"decode.{name}={getattr(d, name)!r}: not with a tree (decode.tree): a "
+                        "tree is a fixed shape of the heads' candidates (drafter 'heads', no "
+                        "adaptive k, no confidence threshold, k -1)")
+  return tree
+
+
 # ---------------------------------------------------------------- trees from acceptance rates
 
 
@@ -311,6 +334,17 @@ def load_trees(path: str):
   except (ShapeError, TypeError, ValueError) as e:
     raise ShapeError(f"{path}: {e}") from e
   return rates, trees
+
+
+def tree_budget(spec) -> int | None:
+  """The node budget T of a draft-shape spec 'tree:T' (the k of Decoder.load, mtp-infer's --k,
+  mtp-bench's modes); None for any other spec. Raises ShapeError for a malformed 'tree:...'."""
+  if not (isinstance(spec, str) and spec.startswith("tree:")):
+    return None
+  t = spec[len("tree:"):]
+  if not t.isdigit() or int(t) < 1:
+    raise ShapeError(f"{spec!r}: a tree is tree:T with T >= 1 nodes")
+  return int(t)
 
 
 def tree_for(budget: int, num_heads: int, model_dir: str | None = None,

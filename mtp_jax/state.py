@@ -40,7 +40,8 @@ class Rows:
 @struct.dataclass
 class Drafts:
   """The drafts the next step verifies."""
-  tokens: jax.Array        # [B, Kd] int32
+  tokens: jax.Array        # [B, Kd] int32 (a tree engine: [B, Kd, R], each head's candidates
+                           # by rank, the tree's nodes taken from them: tree_verify.node_tokens)
   logq: jax.Array          # [B, Kd, V] the drafter's processed log-probabilities of them
                            # (written by sampled steps; greedy steps leave it as it is)
   conf: jax.Array          # [B, Kd] the drafter's confidence (peak probability) per draft
@@ -92,7 +93,7 @@ class Prefix:
                                    # or the sequential heads' caches
   seq_h: jax.Array | None          # [n, M, D] sequential heads (see DecodeState)
   first: jax.Array         # [n] the first generated token
-  drafts: jax.Array        # [n, Kd]
+  drafts: jax.Array        # [n, Kd] (a tree engine: [n, Kd, R], as Drafts.tokens)
   draft_logq: jax.Array    # [n, Kd, V]
   draft_conf: jax.Array    # [n, Kd]
   key: jax.Array           # [n] the rows' PRNG keys for their decode steps

@@ -7,7 +7,9 @@
   5. draft: the drafter (drafters/) proposes the next drafts from what the step hands it;
   6. record: one ring entry, the run's counters, and adaptive.observe for the controller.
 Rejected drafts leave K/V past the committed length: masked, and overwritten later.
-The draft shape today is a chain (shapes.Chain); a tree is another shape through the same step.
+The draft shape is static: a chain (shapes.Chain) or a token tree (shapes.Tree), whose steps 1-3
+are `_tree_pass` (tree_verify.py): the root and T nodes in one pass under the ancestor mask, the
+longest accepted path, and its K/V moved from the tree slots to the positions it was accepted at.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import jax.numpy as jnp
 from mtp_jax import adaptive
 from mtp_jax import ring as ring_lib
 from mtp_jax import sampling
+from mtp_jax import tree_verify
 from mtp_jax.drafters.base import DraftInput, no_drafts
-from mtp_jax.shapes import Chain
+from mtp_jax.shapes import Chain, Tree
 from mtp_jax.state import Caches, DecodeState, Drafts, Record
 
 
@@ -46,7 +49,7 @@ def row_limit(sc: StepConfig, drafts: Drafts):
   return jnp.minimum(cut, drafts.n_fresh)
 
 
-def step(sc: StepConfig, drafter, m, dm, state: DecodeState, shape: Chain, sample: bool,
+def step(sc: StepConfig, drafter, m, dm, state: DecodeState, shape: Chain | Tree, sample: bool,
          n_draft: int | None = None, want_conf: bool = True) -> DecodeState:
   """One step verifying `shape` (static), then drafting n_draft (default Kd) for the next one.
 
@@ -55,8 +58,11 @@ def step(sc: StepConfig, drafter, m, dm, state: DecodeState, shape: Chain, sampl
   steps of a probe segment); the drafts not made keep their old values with zero confidence and
   are not fresh. want_conf: the controller reads this step's draft confidences
   (DraftSpec.conf_cols). m, dm: the bound target and draft models (dm None but for a draft model).
+  A tree's k is its depth: the drafts a step may accept.
   """
-  k, nd = shape.k, sc.kd if n_draft is None else n_draft
+  tree = shape if isinstance(shape, Tree) else None
+  k = shape.k if tree is None else tree.max_depth
+  nd = sc.kd if n_draft is None else n_draft
   rows = state.rows
   length, active = rows.length, ~rows.done
   keys = sampling.split_rows(state.sampling.key, 3)                    # per-row streams
@@ -64,15 +70,20 @@ def step(sc: StepConfig, drafter, m, dm, state: DecodeState, shape: Chain, sampl
   sp = state.sampling.processors
   # 1. input
   last = jnp.take_along_axis(rows.tokens, (length - 1)[:, None], axis=1)
-  drafts_BK = state.drafts.tokens[:, :k]
   k_row = jnp.minimum(row_limit(sc, state.drafts), k)
-  inp_BT = jnp.concatenate([last, drafts_BK], axis=1)                   # [B, k+1]
-  pos_BT = (length - 1)[:, None] + jnp.arange(k + 1)[None]
-  # 2. trunk
-  h_BTD, trunk = m(inp_BT, pos_BT, state.caches.trunk)
-  logits_BTV = m.logits(h_BTD)
-  # 3. verify
-  n, out_BT, base_BV = _verify(sc, state, drafts_BK, logits_BTV, k_row, k_verify, sp, sample)
+  last_B = None       # a tree: the input of the last accepted token (a chain's is n)
+  if tree is None:
+    drafts_BK = state.drafts.tokens[:, :k]
+    inp_BT = jnp.concatenate([last, drafts_BK], axis=1)                 # [B, k+1]
+    pos_BT = (length - 1)[:, None] + jnp.arange(k + 1)[None]
+    # 2. trunk
+    h_BTD, trunk = m(inp_BT, pos_BT, state.caches.trunk)
+    logits_BTV = m.logits(h_BTD)
+    # 3. verify
+    n, out_BT, base_BV = _verify(sc, state, drafts_BK, logits_BTV, k_row, k_verify, sp, sample)
+  else:                                   # 1-3, and the accepted path's K/V put in place
+    n, out_BT, base_BV, last_B, h_BTD, trunk = _tree_pass(sc, m, state, tree, last[:, 0],
+                                                          k_verify, sp, sample)
   # 4. commit
   rows, n_emit = _commit(sc, rows, n, out_BT, k)
   presence = None
@@ -82,7 +93,8 @@ def step(sc: StepConfig, drafter, m, dm, state: DecodeState, shape: Chain, sampl
   # 5. draft
   inp = DraftInput(h_BTD=h_BTD, n_B=n, tokens_BS=rows.tokens, start_B=length,
                    length_B=rows.length, active_B=active, k=k, draft_cache=state.caches.draft,
-                   seq_h=state.caches.seq_h, key=k_draft, sp=sp, presence_BV=presence)
+                   seq_h=state.caches.seq_h, key=k_draft, sp=sp, presence_BV=presence,
+                   last_B=last_B)
   drafts, dcache, seq_h = _draft_next(sc, drafter, m, dm, inp, state.drafts, nd, sample,
                                       want_conf)
   # 6. record
@@ -110,6 +122,32 @@ def _verify(sc, state, drafts_BK, logits_BTV, k_row, k_verify, sp, sample: bool)
   logp = sampling.process_logits(logits_BTV, *sp, pres)
   n, out = sampling.verify_sampling(k_verify, drafts_BK, state.drafts.logq[:, :k], logp, cut)
   return n, out, base
+
+
+def _tree_pass(sc, m, state, tree: Tree, last_B, k_verify, sp, sample: bool):
+  """Steps 1-3 for a tree: inputs [root, T nodes] at positions length-1+depth, one trunk pass
+  under the ancestor mask (K/V to the tree slots length-1 .. length-1+T), verification, and the
+  accepted path's K/V moved to length .. length+n-1 (the length before the step: the nodes'
+  slots are counted from it). Greedy rows of a sampled step reduce to the greedy rule.
+  -> (n [B], emitted tokens [B, D+1], the history's presence [B, V] when sampling, the input
+  of the last accepted token [B], h [B, T+1, D], the trunk's cache)."""
+  rows = state.rows
+  nodes_BT = tree_verify.node_tokens(tree, state.drafts.tokens)
+  inp_BP, pos_BP = tree_verify.step_inputs(tree, last_B, nodes_BT, rows.length)
+  h_BPD, trunk = m(inp_BP, pos_BP, state.caches.trunk, query_mask_TT=tree.mask_PP)
+  logits_BPV = m.logits(h_BPD)
+  base_BV = None
+  if sample:
+    base_BV = sampling.presence(rows.tokens, rows.length, sc.vocab_size)
+    pres_BPV = tree_verify.step_presence(tree, base_BV, nodes_BT)
+    logp_BPV = sampling.process_logits(logits_BPV, *sp, pres_BPV)
+    verdict = tree_verify.verify_sampling(k_verify, tree, nodes_BT, logp_BPV, state.drafts.logq,
+                                          tree_verify.head_rows(tree, sc.kd), mode="sampled")
+  else:
+    verdict = tree_verify.verify_greedy(tree, nodes_BT, logits_BPV)
+  n = verdict.accepted_B
+  trunk = tree_verify.commit_path_cache(trunk, rows.length, verdict.path_BD, n)
+  return n, verdict.tokens_BD, base_BV, verdict.last_B, h_BPD, trunk
 
 
 def _commit(sc, rows, n, out_BT, k: int):

@@ -26,6 +26,8 @@ class DraftSpec:
   vocab_size: int
   conf_threshold: float     # decode.confidence_threshold (0: off)
   needs_conf: bool          # the controller or the threshold reads confidences
+  top_r: int = 0            # a tree engine: candidates per head by rank (drafts [B, n, R]);
+                            # 0: one draft per head
 
   def conf_cols(self, n: int, want_conf: bool = True) -> int:
     """How many of n greedy drafts need a confidence: all of them for the threshold's cut; only
@@ -40,6 +42,7 @@ class DraftSpec:
 class DraftInput(NamedTuple):
   """What a step hands its drafter after verification and commit."""
   h_BTD: jax.Array          # [B, k+1, D] the trunk's hidden states at the verified positions
+                            # (a tree step: [B, T+1, D], at the root and every node)
   n_B: jax.Array            # [B] drafts accepted
   tokens_BS: jax.Array      # [B, S] the committed buffer (this step's tokens written)
   start_B: jax.Array        # [B] the length before the step
@@ -51,11 +54,14 @@ class DraftInput(NamedTuple):
   key: jax.Array            # [B] the rows' drafting keys
   sp: tuple                 # (temperature, top_k, top_p, penalty) per row
   presence_BV: jax.Array | None   # sampled steps: the history the penalty counts
+  last_B: jax.Array | None = None  # a tree step: the input of the last accepted token (0 the
+                                   # root, i+1 node i); a chain's is n_B
 
   @property
   def h_last_BD(self):
     """The trunk's hidden state at the last accepted position."""
-    return jnp.take_along_axis(self.h_BTD, self.n_B[:, None, None], axis=1)[:, 0]
+    last = self.n_B if self.last_B is None else self.last_B
+    return jnp.take_along_axis(self.h_BTD, last[:, None, None], axis=1)[:, 0]
 
 
 def peak_prob(logits_XV):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from mtp_jax import sampling
+from mtp_jax import tree_verify
 from mtp_jax.drafters.base import DraftInput, DraftSpec, no_drafts, peak_prob
 
 
@@ -38,6 +39,8 @@ class ParallelHeads:
       return no_drafts(b, v)
     hh = m.head_hidden(h_BD[:, None], n=n)[:, 0]                        # [B, n, D]
     logits = m.logits(hh)                                               # [B, n, V]
+    if self.spec.top_r:
+      return self.candidates(logits, key, sp, presence_BV, sample)
     if not sample:
       # Confidences feed only the controller and the threshold: the softmax is skipped where
       # neither reads it.
@@ -59,3 +62,20 @@ class ParallelHeads:
     # The confidence is the peak of the head's distribution, not q(d_i): a cut that depended on
     # the sampled draft itself would bias the output (rejection sampling assumes d_i ~ q_i).
     return drafts, logq, jnp.exp(jnp.max(logq, -1))
+
+  def candidates(self, logits_BNV, key, sp, presence_BV, sample: bool):
+    """A tree engine's drafts: each head's top_r candidates by rank [B, n, R] (-> drafts, logq
+    [B, n, V], the heads' peak probability [B, n]).
+
+    Greedy: the heads' best tokens (tree_verify mode 'topk'). Sampling: drawn without
+    replacement from each head's processed q (mode 'sampled'), the penalty counting the row's
+    history alone: a tree's branches would add different drafts to it, and verification reads
+    exactly the q the draws came from (Drafts.logq), so any q stays lossless.
+    """
+    b, n, v = logits_BNV.shape
+    if not sample:
+      return (tree_verify.topk_candidates(logits_BNV, self.spec.top_r),
+              jnp.zeros((b, n, v), jnp.float32), jnp.zeros((b, n), jnp.float32))
+    logq = sampling.process_logits(logits_BNV, *sp, presence_BV[:, None])
+    return (tree_verify.draw_candidates(key, logq, self.spec.top_r), logq,
+            jnp.exp(jnp.max(logq, -1)))

@@ -346,19 +346,17 @@ class Engine:
     return adaptive.choose(state, self.controller_limit(state), allowed, self.cfg.accept_window,
                            self.cfg.adapt_warmup, self.cfg.adapt_margin)
 
-  def _generate_impl(self, params, state: DecodeState, num_steps, refill, idle_steps,
-                     sample: bool, ks: tuple[int, ...] | None = None):
+  def _generate_impl(self, params, state: DecodeState, num_steps, refill, sample: bool,
+                     ks: tuple[int, ...] | None = None):
     m, dm = self._bind(params)
-    run = loop_lib.Loop(self, m, dm, state, num_steps, refill, idle_steps, sample, ks)
+    run = loop_lib.Loop(self, m, dm, state, num_steps, refill, sample, ks)
     return run.adaptive(state) if self.cfg.adaptive else run.fixed(state, self.kd, None)
 
   def generate(self, params, state: DecodeState, num_steps: int | None = None,
-               sample: bool | None = None, refill: int = 0,
-               idle_steps: float = 0.0) -> DecodeState:
-    """Runs up to num_steps (<= ring capacity) steps; `state` is donated. refill > 0 (requests
-    wait for slots): stop after the step in which the refill-th row finishes, or once the rows
-    finished in this call have stood idle idle_steps slot-steps in all (0: as soon as one
-    finishes); neither is a compiled variant."""
+               sample: bool | None = None, refill: int = 0) -> DecodeState:
+    """Runs up to num_steps (<= ring capacity) steps; `state` is donated. refill > 0: stop
+    after the step in which the refill-th row finishes (requests wait for slots); not a
+    compiled variant."""
     num_steps = self.cfg.ring_size if num_steps is None else num_steps
     if not 0 < num_steps <= self.cfg.ring_size:
       raise ValueError(f"num_steps={num_steps} must be in 1..ring_size={self.cfg.ring_size}")
@@ -366,8 +364,7 @@ class Engine:
       sp = state.sampling
       sample = needs_sampling(np.asarray(sp.temperature), np.asarray(sp.penalty))
     return self._generate(params, state, jnp.asarray(num_steps, jnp.int32),
-                          jnp.asarray(refill, jnp.int32), jnp.asarray(idle_steps, jnp.float32),
-                          sample=sample, ks=self.ks)
+                          jnp.asarray(refill, jnp.int32), sample=sample, ks=self.ks)
 
 
 def tree_bytes(tree) -> int:

@@ -4,6 +4,7 @@ side in one run, with latency percentiles, host overhead, a roofline and a plot.
   mtp-bench --model=pretrained/demo --modes=vanilla,mtp:3,adaptive,draft:3,ngram:3 \
             --batch_sizes=1,8,64 --max_new_tokens=128 --out=bench_out
   mtp-bench --model=config:bench_large --modes=vanilla,mtp:3 --batch_sizes=1,8   # random weights
+  mtp-bench --model=pretrained/demo --modes=vanilla,mtp:3,tree:8,tree:16 --batch_sizes=1,8
 
 Writes OUT/results.json ({"machine": ..., "results": [...]}), OUT/results.md and OUT/results.png;
 the table is printed when the run ends (rows also as each batch size finishes, with a progress
@@ -24,7 +25,8 @@ from infer.progress import Progress
 _MODEL = flags.DEFINE_string("model", "pretrained/demo",
                              "A model directory, or config:NAME (configs/NAME.py, random weights).")
 _MODES = flags.DEFINE_list("modes", ["vanilla", "mtp:1", "mtp:2", "mtp:3", "adaptive"],
-                           "vanilla | mtp:K | adaptive | draft:K | ngram:K")
+                           "vanilla | mtp:K | adaptive | draft:K | ngram:K | tree:T (a token "
+                           "tree of T nodes from the heads' top candidates)")
 _DRAFT = flags.DEFINE_string("draft_model", "pretrained/draft", "Draft model of draft:K modes.")
 _BATCH = flags.DEFINE_list("batch_sizes", ["1", "8"], "Slot counts to measure.")
 _PROMPTS = flags.DEFINE_string(
@@ -62,9 +64,10 @@ def check_flags() -> list[int]:
     raise checks.FlagError("--modes=: must list at least one mode")
   for m in _MODES.value:
     # benchmark.parse_mode's grammar, matched here so that a typo fails before JAX is imported.
-    if not re.fullmatch(r"vanilla|adaptive|(mtp|draft|ngram):0*[1-9][0-9]*", m):
+    if not re.fullmatch(r"vanilla|adaptive|(mtp|draft|ngram|tree):0*[1-9][0-9]*", m):
       raise checks.FlagError(f"--modes={','.join(_MODES.value)}: unknown mode {m!r} (expected "
-                             "vanilla, adaptive, mtp:K, draft:K or ngram:K with K >= 1)")
+                             "vanilla, adaptive, mtp:K, draft:K, ngram:K or tree:T with K, "
+                             "T >= 1)")
   sizes = checks.int_list("batch_sizes", _BATCH.value, lo=1)
   if _MODEL.value.startswith("config:"):
     name = _MODEL.value[len("config:"):]

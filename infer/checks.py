@@ -40,6 +40,17 @@ def int_or_auto(name: str, value: str, lo: int):
     _fail(name, value, f"must be 'auto' or an integer >= {lo}")
 
 
+def k_spec(name: str, value: str, lo: int):
+  """--k: 'auto', an integer >= lo, or tree:T (a token tree of T >= 1 nodes)."""
+  if re.fullmatch(r"tree:0*[1-9][0-9]*", value):
+    return
+  try:
+    int_or_auto(name, value, lo)
+  except FlagError:
+    _fail(name, value, f"must be 'auto' or an integer >= {lo} (or tree:T: a token tree of "
+          "T >= 1 nodes)")
+
+
 def int_list(name: str, values: list[str], lo: int) -> list[int]:
   if not values:
     _fail(name, "", "must list at least one value")

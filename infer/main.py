@@ -1,6 +1,6 @@
 """mtp-infer: a JSONL file of prompts in, a JSONL file of completions out, decoded speculatively.
 
-  mtp-infer --model=DIR --input=IN.jsonl --output=OUT.jsonl [--k=auto|0..K]
+  mtp-infer --model=DIR --input=IN.jsonl --output=OUT.jsonl [--k=auto|0..K|tree:T]
             [--batch_size=auto|N] [--kv_budget_gb=G] [--temperature=T] [--top_p=P] [--top_k=K]
             [--max_new_tokens=N] [--seed=S] [--quiet]
 
@@ -21,7 +21,10 @@ from infer.progress import Progress
 _MODEL = flags.DEFINE_string("model", None, "A model directory.")
 _INPUT = flags.DEFINE_string("input", None, "JSONL requests.")
 _OUTPUT = flags.DEFINE_string("output", None, "JSONL results (appended; resumes).")
-_K = flags.DEFINE_string("k", "auto", "Drafts per step: 'auto' (adaptive), -1 all heads, 0 plain.")
+_K = flags.DEFINE_string(
+    "k", "auto", "Drafts per step: 'auto' (adaptive), -1 all heads, 0 plain, or tree:T: each "
+    "step verifies a token tree of T nodes from the parallel heads' top candidates (the model "
+    "directory's trees.json, else a default tree).")
 _CALIBRATE = flags.DEFINE_bool("calibrate", False, "Re-measure the cost table of --k=auto.")
 _COSTS = flags.DEFINE_string("cost_table", None, "Cost table JSON, which also keeps the "
                              "acceptance runs measured (default: ~/.cache/mtp_jax).")
@@ -61,7 +64,7 @@ def check_flags():
   checks.output_file("output", _OUTPUT.value)
   if _COSTS.value:
     checks.output_file("cost_table", _COSTS.value)
-  checks.int_or_auto("k", _K.value, lo=-1)
+  checks.k_spec("k", _K.value, lo=-1)
   checks.int_or_auto("batch_size", _BATCH.value, lo=1)
   checks.number("kv_budget_gb", _BUDGET.value, lo=0)
   checks.number("max_batch_size", _MAX_BATCH.value, lo=1)
@@ -101,19 +104,24 @@ def _decoder():
   import dataclasses
   from mtp_jax import api, batch
   from mtp_jax import checkpoint as ckpt_lib
+  from mtp_jax import shapes
   from mtp_jax import sharding as sharding_lib
   from mtp_jax.config import DecodeConfig
   mesh_flags.initialize()
   mesh = None if mesh_flags.MESH.value is None else sharding_lib.make_mesh(mesh_flags.MESH.value)
-  k = _K.value if _K.value == "auto" else int(_K.value)
   mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(_MODEL.value)
+  budget = shapes.tree_budget(_K.value)
+  tree = None if budget is None else shapes.tree_for(budget, hcfg.num, _MODEL.value)
+  k = -1 if tree is not None else _K.value if _K.value == "auto" else int(_K.value)
   adaptive = k == "auto"
   max_len = _MAX_LEN.value
-  if max_len == 0:
-    need = batch.needed_len(_INPUT.value, tok, _MAX_NEW.value) + hcfg.num + 2
+  if max_len == 0:         # a step's inputs past the last token: the heads, or a tree's nodes
+    span = hcfg.num if tree is None else tree.size
+    need = batch.needed_len(_INPUT.value, tok, _MAX_NEW.value) + span + 2
     max_len = min(mcfg.max_seq_len, -(-need // 128) * 128)
   dcfg = DecodeConfig(k=-1 if adaptive else k, max_len=max_len, adaptive=adaptive,
-                      attention=_ATTN.value, kv_dtype=_KV_DTYPE.value)
+                      attention=_ATTN.value, kv_dtype=_KV_DTYPE.value,
+                      tree=() if tree is None else tree.choices)
   dcfg = dataclasses.replace(
       dcfg, batch_size=_slots(mcfg, hcfg, dcfg, params, batch.count_lines(_INPUT.value),
                               1 if mesh is None else mesh.shape["data"]))

@@ -23,6 +23,7 @@ from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config as config_lib
 from mtp_jax import engine as engine_lib
 from mtp_jax import ring as ring_lib
+from mtp_jax import shapes
 from mtp_jax import sharding as sharding_lib
 from mtp_jax import tables
 from mtp_jax.config import DecodeConfig
@@ -82,8 +83,11 @@ class Decoder:
   def load(cls, model_dir: str, batch_size: int = 8, k: int | str = -1, max_len: int = 0,
            ring_size: int = 32, seed: int = 0, draft_dir: str | None = None,
            mesh: str | None = None, **decode_options) -> "Decoder":
-    """k: drafts per step (-1 all heads, 0 plain decoding) or 'auto' (adaptive, up to all
-    heads). draft_dir: a draft model directory (drafts come from it instead of the heads).
+    """k: drafts per step (-1 all heads, 0 plain decoding), 'auto' (adaptive, up to all
+    heads) or 'tree:T': every step verifies a token tree of T nodes from the parallel heads'
+    top candidates (model_dir/trees.json's tree for T, else one built from the rates stored
+    there, else the default: shapes.tree_for). draft_dir: a draft model directory (drafts come
+    from it instead of the heads).
     mesh: a mesh shape ('data:2,model:4'; '' = every device on 'data'), None = one device.
     decode_options: other DecodeConfig fields (confidence_threshold, drafter, ...)."""
     mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(model_dir)
@@ -96,8 +100,12 @@ class Decoder:
       draft = (dm, dh, dp)
       decode_options["drafter"] = "model"
     adaptive = k == "auto"
-    dcfg = DecodeConfig(batch_size=batch_size, k=-1 if adaptive else int(k), max_len=max_len,
-                        ring_size=ring_size, adaptive=adaptive, **decode_options)
+    budget = shapes.tree_budget(k)
+    if budget is not None:
+      decode_options["tree"] = shapes.tree_for(budget, hcfg.num, model_dir).choices
+    dcfg = DecodeConfig(batch_size=batch_size, k=-1 if adaptive or budget else int(k),
+                        max_len=max_len, ring_size=ring_size, adaptive=adaptive,
+                        **decode_options)
     return cls(mcfg, hcfg, params, tok, dcfg, seed, draft,
                mesh=None if mesh is None else sharding_lib.make_mesh(mesh))
 

@@ -3,8 +3,9 @@
 Modes: 'vanilla' (plain decoding, k = 0), 'mtp:K' (K drafts from the MTP heads per step),
 'adaptive' (k chosen on the device from the calibrated cost table and acceptance), 'draft:K'
 (classic speculative decoding: K drafts from a separate small draft model with its own KV cache)
-and 'ngram:K' (prompt lookup: K drafts copied from the row's own history). All go through the
-same verification, so greedy outputs are identical. Every (batch size, mode) pair gets its own
+and 'ngram:K' (prompt lookup: K drafts copied from the row's own history), 'tree:T' (a token tree
+of T nodes from the heads' top candidates, verified in one pass: shapes.tree_for). All go through
+the same verification, so greedy outputs are identical. Every (batch size, mode) pair gets its own
 compiled engine (compile time reported apart), warmed up before timing; timed runs of all modes
 are interleaved repeat by repeat, so that a noisy machine slows all of them alike, in reversed
 order every other repeat, so that no mode always runs first or right after another. A row is the
@@ -41,6 +42,7 @@ from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import data as data_lib
 from mtp_jax import engine as engine_lib
 from mtp_jax import model as model_lib
+from mtp_jax import shapes
 from mtp_jax import sharding as sharding_lib
 from mtp_jax import widen as widen_lib
 from mtp_jax.config import Config, DataConfig, DecodeConfig
@@ -49,16 +51,27 @@ from mtp_jax.roofline import kv_read_positions, machine_info, step_cost  # noqa:
 
 def parse_mode(mode: str) -> tuple[str, int | str]:
   """'vanilla' -> ('heads', 0), 'mtp:K' -> ('heads', K), 'adaptive' -> ('heads', 'auto'),
-  'draft:K' -> ('model', K), 'ngram:K' -> ('ngram', K)."""
+  'draft:K' -> ('model', K), 'ngram:K' -> ('ngram', K), 'tree:T' -> ('heads', 'tree:T')."""
   if mode == "vanilla":
     return "heads", 0
   if mode == "adaptive":
     return "heads", "auto"
+  if mode.startswith("tree:") and mode[len("tree:"):].isdigit() and int(mode[len("tree:"):]) > 0:
+    return "heads", mode
   for prefix, drafter in (("mtp:", "heads"), ("draft:", "model"), ("ngram:", "ngram")):
     if mode.startswith(prefix) and mode[len(prefix):].isdigit() and int(mode[len(prefix):]) > 0:
       return drafter, int(mode[len(prefix):])
   raise ValueError(f"--modes: unknown mode {mode!r} (expected vanilla, adaptive, mtp:K, "
-                   "draft:K or ngram:K with K >= 1)")
+                   "draft:K, ngram:K or tree:T with K, T >= 1)")
+
+
+def _tree(k, num_heads: int, model: str):
+  """A 'tree:T' mode's tree (k from parse_mode; the model directory's, else the default)."""
+  budget = shapes.tree_budget(k)
+  if budget is None:
+    return None
+  model_dir = model.split(":", 2)[-1] if model.startswith("widen:") else model
+  return shapes.tree_for(budget, num_heads, model_dir if os.path.isdir(model_dir) else None)
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -217,12 +230,14 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
     decoders, compile_s = {}, {}
     for label, (mode, attention, kv_dtype) in variants.items():
       drafter, k = parse_mode(mode)
-      kd = hcfg.num if k == "auto" else k
+      tree = _tree(k, hcfg.num, model)
+      span = hcfg.num if k == "auto" else k if tree is None else tree.size   # a step's inputs
       # By default the cache holds what a row can reach; --max_len sets a serving-sized one.
-      cache_len = max_len or min(mcfg.max_seq_len, longest + max_new_tokens + kd + 2)
-      dcfg = DecodeConfig(batch_size=b, k=-1 if k == "auto" else k, ring_size=32,
-                          adaptive=k == "auto", max_len=cache_len, drafter=drafter,
-                          attention=attention, kv_dtype=kv_dtype)
+      cache_len = max_len or min(mcfg.max_seq_len, longest + max_new_tokens + span + 2)
+      dcfg = DecodeConfig(batch_size=b, k=-1 if k == "auto" or tree is not None else k,
+                          ring_size=32, adaptive=k == "auto", max_len=cache_len,
+                          drafter=drafter, attention=attention, kv_dtype=kv_dtype,
+                          tree=() if tree is None else tree.choices)
       dec = api.Decoder(mcfg, hcfg, params, tok, dcfg,
                         draft=draft if drafter == "model" else None, mesh=device_mesh)
       if device_mesh is not None and b == batch_sizes[0]:
@@ -316,6 +331,8 @@ def _roofline(r: Result, dec, mcfg, hcfg, params, draft, machine, kv_positions=N
   eng = dec.engine
   st = dec.last_stats
   k = sum(st["drafted"]) / max(st["row_steps"], 1)     # drafts verified per row and step
+  if eng.tree is not None:       # the trunk runs T+1 tokens (the heads' cost is overstated)
+    k = eng.span
   nbytes, flops = step_cost(mcfg, hcfg, eng.cfg, k, r.batch_size, params,
                             draft[2] if draft and eng.drafter == "model" else None,
                             draft[0] if draft else None, kv_positions)

@@ -138,8 +138,8 @@ fi
 # product is judged by), so that a cut leaves the batch sizes already measured; their tables are
 # merged into $OUT/results.{json,md,png} at the end.
 MODES="${MODES:-vanilla,mtp:1,mtp:2,mtp:3,adaptive}"
-if $PY -c "from mtp_jax import benchmark; benchmark.parse_mode('tree')" 2>/dev/null; then
-  MODES="$MODES,tree"
+if $PY -c "from mtp_jax import benchmark; benchmark.parse_mode('tree:16')" 2>/dev/null; then
+  MODES="$MODES,tree:8,tree:16"
 fi
 BENCH_END=$(( $(date +%s) + LIMITS[4] ))
 for b in ${BATCHES//,/ }; do

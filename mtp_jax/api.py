@@ -72,9 +72,6 @@ class Decoder:
     # Acceptance per draft position that earlier runs measured, greedy (False) and sampled
     # (True): the controller's prior.
     self._prior: dict[bool, list[float]] = {}
-    # First-position counts per output-position bucket over earlier runs, (trials, hits): the
-    # controller's profile (tables.run_profile).
-    self._profile: dict[bool, tuple[list[float], list[float]]] = {}
     self._rates_path: str | None = None      # where runs' acceptance is stored (calibrate)
     self._fingerprint: str | None = None
     self.last_timing: dict = {}
@@ -157,15 +154,13 @@ class Decoder:
                       for r in requests)
     slots = _Slots(self, requests, on_done)
     state = eng.init_state(self.seed)
-    prior, profile = self._earlier_acceptance(sampled_run)
+    prior = self._earlier_acceptance(sampled_run)
     if eng.cfg.adaptive and prior is not None:
       state = eng.put(state, prior_rate=prior)
-    if eng.cfg.adaptive and profile is not None:
-      state = eng.put(state, profile=tables.run_profile(*profile))
     state = self._decode(state, slots)
     self.last_stats = engine_lib.stats(state)
     if eng.cfg.adaptive:     # the acceptance this run saw: the next run's prior (adaptive k)
-      self._learn(sampled_run, prior, profile)
+      self._learn(sampled_run, prior)
     self.last_timing = {"wall_s": time.perf_counter() - slots.t_start, "wait_s": slots.wait}
     return slots.results
 
@@ -177,26 +172,26 @@ class Decoder:
     next chunk is launched first and the previous one drained while the device runs it."""
     eng = self.engine
     drain = ring_lib.Drain()
-    refill_rows = max(1, eng.cfg.batch_size // 8)
+    clock = _RefillClock(eng.cfg.batch_size)
     state = slots.fill(state)
-    closed = None           # adaptive k: no request waits, so only the end of the job counts
     while slots.busy():
       if slots.cancel.any():
         state = eng.cancel(state, slots.cancel)
         slots.cancel[:] = False
-      if eng.cfg.adaptive and closed != (not slots.queue):
-        closed = not slots.queue
-        state = eng.put(state, closed=closed)
-      # While requests wait, the chunk ends once refill_rows slots are free (not at once for
-      # one slot in a large batch: each refill is a host round trip).
+      # While requests wait, the chunk ends once every waiting request has a free slot, or once
+      # the freed slots' idleness outweighs a refill's cost (_RefillClock).
+      clock.launch()
       state = eng.generate(self.params, state, sample=slots.sampling(),
-                           refill=min(len(slots.queue), refill_rows))
+                           refill=min(len(slots.queue), eng.cfg.batch_size),
+                           idle_steps=clock.idle_steps())
       slots.hand_over()                 # detokenise and write while the chunk runs
       if drain.pending:
         slots.collect(slots.timed(drain.finish))
       drain.start(state.record.ring, state.record.step, state.rows.done, state.rows.steps)
       if slots.queue or not slots.busy():
+        step0 = drain.drained_step
         slots.collect(slots.timed(drain.finish))
+        clock.chunk_done(drain.drained_step - step0, refilling=bool(slots.queue))
         state = slots.fill(state)
     if drain.pending:
       slots.collect(slots.timed(drain.finish))
@@ -204,33 +199,28 @@ class Decoder:
     return state
 
   def _earlier_acceptance(self, sampled_run: bool):
-    """-> (prior rates, profile counts) from this decoder's earlier runs, else the stored ones
-    (after calibrate), else None."""
+    """-> the prior rates from this decoder's earlier runs, else the stored ones (after
+    calibrate), else None."""
     eng = self.engine
     prior = self._prior.get(sampled_run)
     if eng.cfg.adaptive and prior is None and self._rates_path:
       # Another process's: the first position only. Positions past it are tried only where the
       # controller drafts that far, so a low rate stored for them by other text could keep this
       # run from ever drafting that far; unknown, they start from the first position's estimate
-      # (row_alpha).
+      # (adaptive.estimate).
       stored = tables.load_rates(self._rates_path, self._rates_key(sampled_run))
       if stored is not None and eng.kd > 0 and len(stored) == eng.kd and stored[0] >= 0:
         prior = [stored[0]] + [-1.0] * (eng.kd - 1)
-    profile = self._profile.get(sampled_run)
-    if eng.cfg.adaptive and profile is None and self._rates_path:
-      profile = tables.load_profile(self._rates_path, self._rates_key(sampled_run))
-    return prior, profile
+    return prior
 
-  def _learn(self, sampled_run: bool, prior, profile):
+  def _learn(self, sampled_run: bool, prior):
     """Keeps the acceptance the last run saw (and stores it after calibrate)."""
     st = self.last_stats
-    rates = tables.run_rates(st["cond_weight"], st["cond_hits"])
+    rates = tables.run_rates(st["cond_trials"], st["cond_hits"])
     prior = [r if r >= 0 else p for r, p in zip(rates, prior or rates)]
     self._prior[sampled_run] = prior
-    profile = tables.merge_profile_counts(profile, (st["pos_trials"], st["pos_hits"]))
-    self._profile[sampled_run] = profile
     if self._rates_path and max(rates, default=-1.0) >= 0:
-      tables.save_rates(self._rates_path, self._rates_key(sampled_run), prior, profile)
+      tables.save_rates(self._rates_path, self._rates_key(sampled_run), prior)
 
   def _finish(self, req: Request, ids: list[int], steps: int) -> Completion:
     eod = self.tokenizer.eod_id
@@ -253,6 +243,37 @@ class Decoder:
     return Completion(text=text, token_ids=ids, finish_reason=reason,
                       prompt_tokens=len(req.prompt_ids), steps=steps,
                       acceptance_length=emitted / steps if steps else 0.0)
+
+
+class _RefillClock:
+  """How long freed slots may stand idle while requests wait. A refill stops the device for F
+  seconds (drain, prefill, insert, relaunch); a slot idle for a step costs 1/B of a step of s
+  seconds. Refilling once the freed slots' idle slot-steps reach B x F / s costs at most twice
+  what the best schedule in hindsight would (the ski-rental rule); F and s are this run's own
+  means so far (0 before the first refill: refill at the first freed slot)."""
+
+  def __init__(self, b: int):
+    self.b, self.gap_s, self.refills, self.chunk_s, self.steps = b, 0.0, 0, 0.0, 0
+    self.t_launch = self.t_ready = None
+
+  def launch(self):
+    now = time.perf_counter()
+    if self.t_ready is not None:          # the device stood still since the last chunk ended
+      self.gap_s += now - self.t_ready
+      self.refills += 1
+      self.t_ready = None
+    self.t_launch = now
+
+  def chunk_done(self, steps: int, refilling: bool):
+    now = time.perf_counter()
+    self.chunk_s += now - self.t_launch
+    self.steps += steps
+    self.t_ready = now if refilling else None
+
+  def idle_steps(self) -> float:
+    if not self.refills or not self.steps:
+      return 0.0
+    return self.b * (self.gap_s / self.refills) / (self.chunk_s / self.steps)
 
 
 class _Slots:

@@ -238,11 +238,7 @@ class DecodeConfig:
                                     # drafts one head and verifies it) after this many plain
                                     # segments
   adapt_margin: float = 0.02        # adaptive: draft only when expected to beat plain by this
-                                    # (the cost table's error; the closed-batch objective
-                                    # weighs the acceptance estimates' own uncertainty)
-  adapt_warmup: int = 8             # adaptive: a row's first steps after its insert, left out
-                                    # of the acceptance statistics (drafts are accepted less
-                                    # right after a prompt than later on)
+                                    # (the cost table's error)
   probe_every_max: int = 64         # adaptive: the probe interval (in segments) doubles after
                                     # each probe that leads to no drafting, up to this (it
                                     # carries across generate calls)
@@ -262,8 +258,6 @@ class DecodeConfig:
   def __post_init__(self):
     _positive(self, "batch_size", "ring_size", "min_bucket", "accept_window", "probe_every",
               "prefill_rows", "adapt_every")
-    if self.adapt_warmup < 0:
-      _fail("decode.adapt_warmup", self.adapt_warmup, "must be >= 0")
     if not 0.0 <= self.adapt_margin < 1.0:
       _fail("decode.adapt_margin", self.adapt_margin, "must be in [0, 1)")
     if self.probe_every_max < self.probe_every:

@@ -6,7 +6,7 @@ One step (step.py), for every row at once; k = 0 is plain decoding through the s
   3. verify: keeps the longest acceptable draft prefix and adds one token from the trunk;
   4. commit: writes the accepted tokens, advances the length (rollback is the length alone);
   5. draft: the drafter (drafters/) proposes the next drafts from what the step hands it;
-  6. record: one ring entry, the run's counters, and adaptive.observe for the controller.
+  6. record: one ring entry (the adaptive controller reads its window) and the run's counters.
 `generate` runs these steps in jitted `lax.while_loop`s (loop.py; state donated) until
 `num_steps` steps ran or every row is done. Rows stop at the end-of-document token, at their own
 max_new_tokens, or when the cache is full.
@@ -83,8 +83,7 @@ class Engine:
                                       None if draft_model is None else draft_model[0])
     self.step_cfg = step_lib.StepConfig(
         kd=self.kd, eod_id=eod_id, vocab_size=model_cfg.vocab_size,
-        conf_threshold=self.cfg.confidence_threshold, adaptive=self.cfg.adaptive,
-        adapt_warmup=self.cfg.adapt_warmup)
+        conf_threshold=self.cfg.confidence_threshold, adaptive=self.cfg.adaptive)
     self.mesh = mesh
     self.state_sharding = None
     if mesh is not None:
@@ -132,7 +131,7 @@ class Engine:
                     cond_trials=zeros_k, cond_hits=zeros_k)
     controller = None
     if self.cfg.adaptive:
-      controller = adaptive.init_controller(b, kd, self.cost if cost is None else cost,
+      controller = adaptive.init_controller(kd, self.cost if cost is None else cost,
                                             self.cfg.probe_every)
     return DecodeState(rows=rows, drafts=drafts, caches=caches,
                        sampling=sampling.init_params(keys, b), record=record,
@@ -301,9 +300,7 @@ class Engine:
         key=sp.key.at[slots].set(prefix.key), temperature=sp.temperature.at[slots].set(temperature),
         top_k=sp.top_k.at[slots].set(top_k), top_p=sp.top_p.at[slots].set(top_p),
         penalty=sp.penalty.at[slots].set(penalty))
-    ctrl = state.controller
-    return state.replace(rows=rows_, drafts=drafts, caches=caches, sampling=sp,
-                         controller=None if ctrl is None else adaptive.reset_rows(ctrl, slots))
+    return state.replace(rows=rows_, drafts=drafts, caches=caches, sampling=sp)
 
   def insert(self, prefix: Prefix, state: DecodeState, slots, max_new, temperature, top_k,
              top_p, penalty=1.0) -> DecodeState:
@@ -333,7 +330,8 @@ class Engine:
     """Per row, the drafts the controller may expect it to verify: none without a fresh draft
     (a plain step drafts nothing), the threshold's cut where it falls within the fresh drafts,
     else all Kd: a probe drafts only the first head, and the positions past it are estimated
-    from the ring's rates and the prior (row_alpha), as for any position that has no draft yet."""
+    from the ring's rates and the prior (adaptive.estimate), as for any position that has no
+    draft yet."""
     lim = step_lib.row_limit(self.step_cfg, state.drafts)
     fresh = state.drafts.n_fresh
     return jnp.where((fresh > 0) & (lim >= fresh), self.kd, lim).astype(jnp.int32)
@@ -344,19 +342,21 @@ class Engine:
     ks = self.ks if ks is None else ks
     allowed = jnp.isin(jnp.arange(self.kd + 1), jnp.asarray(ks))
     return adaptive.choose(state, self.controller_limit(state), allowed, self.cfg.accept_window,
-                           self.cfg.adapt_warmup, self.cfg.adapt_margin)
+                           self.cfg.adapt_margin)
 
-  def _generate_impl(self, params, state: DecodeState, num_steps, refill, sample: bool,
-                     ks: tuple[int, ...] | None = None):
+  def _generate_impl(self, params, state: DecodeState, num_steps, refill, idle_steps,
+                     sample: bool, ks: tuple[int, ...] | None = None):
     m, dm = self._bind(params)
-    run = loop_lib.Loop(self, m, dm, state, num_steps, refill, sample, ks)
+    run = loop_lib.Loop(self, m, dm, state, num_steps, refill, idle_steps, sample, ks)
     return run.adaptive(state) if self.cfg.adaptive else run.fixed(state, self.kd, None)
 
   def generate(self, params, state: DecodeState, num_steps: int | None = None,
-               sample: bool | None = None, refill: int = 0) -> DecodeState:
-    """Runs up to num_steps (<= ring capacity) steps; `state` is donated. refill > 0: stop
-    after the step in which the refill-th row finishes (requests wait for slots); not a
-    compiled variant."""
+               sample: bool | None = None, refill: int = 0,
+               idle_steps: float = float("inf")) -> DecodeState:
+    """Runs up to num_steps (<= ring capacity) steps; `state` is donated. refill > 0 (requests
+    wait for slots): stop after the step in which the refill-th row finishes, or once the rows
+    finished in this call have stood idle idle_steps slot-steps in all (0: as soon as one
+    finishes; inf: no such limit); neither is a compiled variant."""
     num_steps = self.cfg.ring_size if num_steps is None else num_steps
     if not 0 < num_steps <= self.cfg.ring_size:
       raise ValueError(f"num_steps={num_steps} must be in 1..ring_size={self.cfg.ring_size}")
@@ -364,7 +364,8 @@ class Engine:
       sp = state.sampling
       sample = needs_sampling(np.asarray(sp.temperature), np.asarray(sp.penalty))
     return self._generate(params, state, jnp.asarray(num_steps, jnp.int32),
-                          jnp.asarray(refill, jnp.int32), sample=sample, ks=self.ks)
+                          jnp.asarray(refill, jnp.int32), jnp.asarray(idle_steps, jnp.float32),
+                          sample=sample, ks=self.ks)
 
 
 def tree_bytes(tree) -> int:
@@ -395,8 +396,7 @@ def needs_sampling(temperature, penalty) -> bool:
 
 
 def stats(state: DecodeState) -> dict:
-  """Acceptance statistics of the counters (host values); an adaptive engine's also give the
-  controller's run counts (cond_weight, pos_trials, pos_hits)."""
+  """Acceptance statistics of the counters (host values)."""
   rec, rows = state.record, state.rows
   drafted, accepted = np.asarray(rec.drafted), np.asarray(rec.accepted)
   steps, emitted = np.asarray(rows.steps), np.asarray(rows.emitted)
@@ -409,9 +409,4 @@ def stats(state: DecodeState) -> dict:
       "cond_trials": np.asarray(rec.cond_trials).tolist(),
       "cond_hits": np.asarray(rec.cond_hits).tolist(),
   }
-  if state.controller is not None:
-    c = state.controller
-    out.update(cond_weight=np.asarray(c.cond_weight).tolist(),
-               pos_trials=np.asarray(c.pos_trials).tolist(),
-               pos_hits=np.asarray(c.pos_hits).tolist())
   return out

@@ -47,18 +47,25 @@ def _set_controller(state: DecodeState, **values) -> DecodeState:
 class Loop:
   """One traced generate call: the engine, the bound models and the call's arguments."""
 
-  def __init__(self, eng, m, dm, state: DecodeState, num_steps, refill, sample: bool, ks):
+  def __init__(self, eng, m, dm, state: DecodeState, num_steps, refill, idle_steps,
+               sample: bool, ks):
     self.eng, self.m, self.dm, self.sample, self.ks = eng, m, dm, sample, ks
-    self.num_steps, self.refill, self.done0 = num_steps, refill, state.rows.done
+    self.num_steps, self.refill, self.idle_steps = num_steps, refill, idle_steps
+    self.done0, self.step0, self.row_steps0 = state.rows.done, state.record.step, state.rows.steps
     self.every = eng.cfg.adapt_every
     self.zero = jnp.zeros((), jnp.int32)
 
   def goes_on(self, st: DecodeState):
-    """Some row is active and, with refill > 0 (requests wait for slots), fewer than refill rows
-    finished in this call: the host refills the slots then rather than at the end of the
-    chunk."""
-    freed = jnp.sum((st.rows.done & ~self.done0).astype(jnp.int32))
-    return ~jnp.all(st.rows.done) & ((self.refill == 0) | (freed < self.refill))
+    """Some row is active and, with refill > 0 (requests wait for slots), the host is not yet
+    better off refilling: fewer than refill rows finished in this call, and the slots they
+    freed have stood idle for fewer than idle_steps slot-steps in all (Engine.generate)."""
+    freed_B = st.rows.done & ~self.done0
+    n_freed = jnp.sum(freed_B.astype(jnp.int32))
+    # A freed row's idle steps: the call's steps minus the ones it was active in.
+    idle_B = (st.record.step - self.step0) - (st.rows.steps - self.row_steps0)
+    idle = jnp.sum(jnp.where(freed_B, idle_B, 0))
+    wait = (n_freed < self.refill) & ((n_freed == 0) | (idle < self.idle_steps))
+    return ~jnp.all(st.rows.done) & ((self.refill == 0) | wait)
 
   def steps(self, j, i, st, k: int, nd, go, want_conf: bool = True):
     """Steps of k drafts (nd made) while go(j) and the call goes on; j counts them on top of

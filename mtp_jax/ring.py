@@ -1,9 +1,9 @@
 """On-device ring buffer of the last R decode steps, and its host-side drain.
 
 Each step writes one record at slot (step % R): per row the emitted tokens (up to k_max + 1), how
-many of them are valid, how many drafts were verified and accepted, the row's steps since its
-insert and its output tokens before the step; per step the k used and the number of active rows. `generate` runs at
-most R steps per call, so the host can copy a whole call's records and rebuild every row's token
+many of them are valid, how many drafts were verified and accepted; per step the k used and the
+number of active rows (the adaptive controller reads the window of acceptance counts). `generate`
+runs at most R steps per call, so the host can copy a whole call's records and rebuild every row's token
 stream exactly, whatever the wrap-around.
 """
 
@@ -21,8 +21,6 @@ class Ring:
   emitted: jax.Array     # [R, B] int32: valid tokens of the row in that step (0 if inactive)
   verified: jax.Array    # [R, B] int32: drafts verified for the row (0 if inactive)
   accepted: jax.Array    # [R, B] int32: drafts accepted for the row
-  row_step: jax.Array    # [R, B] int32: the row's steps since its insert, before that step
-  row_pos: jax.Array     # [R, B] int32: the row's output tokens before that step
   k_used: jax.Array      # [R] int32
   active: jax.Array      # [R] int32: rows active in that step
 
@@ -36,23 +34,18 @@ def init_ring(capacity: int, batch_size: int, k_max: int) -> Ring:
               emitted=jnp.zeros((capacity, batch_size), jnp.int32),
               verified=jnp.zeros((capacity, batch_size), jnp.int32),
               accepted=jnp.zeros((capacity, batch_size), jnp.int32),
-              row_step=jnp.zeros((capacity, batch_size), jnp.int32),
-              row_pos=jnp.zeros((capacity, batch_size), jnp.int32),
               k_used=jnp.zeros((capacity,), jnp.int32),
               active=jnp.zeros((capacity,), jnp.int32))
 
 
 def record(ring: Ring, step, tokens_BK1, emitted_B, verified_B, accepted_B, k_used,
-           active, row_step_B, row_pos_B=None) -> Ring:
+           active) -> Ring:
   i = step % ring.capacity
-  row_pos_B = jnp.zeros_like(row_step_B) if row_pos_B is None else row_pos_B
   pad = ring.tokens.shape[2] - tokens_BK1.shape[1]
   tokens = jnp.pad(tokens_BK1, ((0, 0), (0, pad)))
   return Ring(tokens=ring.tokens.at[i].set(tokens), emitted=ring.emitted.at[i].set(emitted_B),
               verified=ring.verified.at[i].set(verified_B),
               accepted=ring.accepted.at[i].set(accepted_B),
-              row_step=ring.row_step.at[i].set(row_step_B),
-              row_pos=ring.row_pos.at[i].set(row_pos_B),
               k_used=ring.k_used.at[i].set(k_used), active=ring.active.at[i].set(active))
 
 

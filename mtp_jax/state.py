@@ -66,9 +66,8 @@ class Record:
   drafted: jax.Array       # [Kd] drafts verified, per draft position
   accepted: jax.Array      # [Kd] drafts accepted, per draft position
   cond_trials: jax.Array   # [Kd] drafts reached (verified, every draft before them accepted)
-  cond_hits: jax.Array     # [Kd] and accepted there; an adaptive engine leaves each row's first
-                           # adapt_warmup steps out: the run's conditional acceptance per
-                           # position (adaptive.run_rates), the next run's prior
+  cond_hits: jax.Array     # [Kd] and accepted there: the run's conditional acceptance per
+                           # position (tables.run_rates), the next run's prior
 
 
 @struct.dataclass

@@ -5,7 +5,7 @@
   3. verify: keeps the longest acceptable draft prefix and adds one token from the trunk;
   4. commit: writes the accepted tokens, advances the length (rollback is the length alone);
   5. draft: the drafter (drafters/) proposes the next drafts from what the step hands it;
-  6. record: one ring entry, the run's counters, and adaptive.observe for the controller.
+  6. record: one ring entry (the adaptive controller reads its window) and the run's counters.
 Rejected drafts leave K/V past the committed length: masked, and overwritten later.
 The draft shape is static: a chain (shapes.Chain) or a token tree (shapes.Tree), whose steps 1-3
 are `_tree_pass` (tree_verify.py): the root and T nodes in one pass under the ancestor mask, the
@@ -19,7 +19,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mtp_jax import adaptive
 from mtp_jax import ring as ring_lib
 from mtp_jax import sampling
 from mtp_jax import tree_verify
@@ -36,7 +35,6 @@ class StepConfig:
   vocab_size: int
   conf_threshold: float     # > 0: a row verifies its drafts before the first doubtful one
   adaptive: bool            # an adaptive engine: rows verify only fresh drafts; a controller
-  adapt_warmup: int         # a row's first steps the controller's counts leave out
 
 
 def row_limit(sc: StepConfig, drafts: Drafts):
@@ -98,12 +96,13 @@ def step(sc: StepConfig, drafter, m, dm, state: DecodeState, shape: Chain | Tree
   drafts, dcache, seq_h = _draft_next(sc, drafter, m, dm, inp, state.drafts, nd, sample,
                                       want_conf)
   # 6. record
-  record, ctrl = _record(sc, state, n, n_emit, out_BT, k_row, k)
+  record = _record(sc, state, n, n_emit, out_BT, k_row, k)
   rows = rows.replace(steps=rows.steps + active.astype(jnp.int32),
                       emitted=rows.emitted + n_emit)
   return DecodeState(rows=rows, drafts=drafts,
                      caches=Caches(trunk=trunk, draft=dcache, seq_h=seq_h),
-                     sampling=state.sampling.replace(key=key), record=record, controller=ctrl)
+                     sampling=state.sampling.replace(key=key), record=record,
+                     controller=state.controller)
 
 
 def _verify(sc, state, drafts_BK, logits_BTV, k_row, k_verify, sp, sample: bool):
@@ -189,8 +188,7 @@ def _draft_next(sc, drafter, m, dm, inp: DraftInput, old: Drafts, nd: int, sampl
 
 
 def _record(sc, state, n, n_emit, out_BT, k_row, k: int):
-  """The step's ring entry, the run's per-position counters, the controller's counts.
-  -> (Record, controller)."""
+  """The step's ring entry and the run's per-position counters. -> Record."""
   rec, rows = state.record, state.rows
   active = ~rows.done
   n_active = jnp.sum(active.astype(jnp.int32))
@@ -198,18 +196,12 @@ def _record(sc, state, n, n_emit, out_BT, k_row, k: int):
   pos_k = jnp.arange(sc.kd)[None]
   drafted = rec.drafted + jnp.sum((pos_k < verified[:, None]).astype(jnp.int32), 0)
   accepted = rec.accepted + jnp.sum((active[:, None] & (n[:, None] > pos_k)).astype(jnp.int32), 0)
-  # Reached: verified there, every draft before it accepted; an adaptive engine does not
-  # count a row's warm-up steps (adaptive.row_window).
+  # Reached: verified there, every draft before it accepted (the conditional counts).
   reached = (pos_k < verified[:, None]) & (n[:, None] >= pos_k)              # [B, Kd]
-  if sc.adaptive:
-    reached = reached & (rows.steps >= sc.adapt_warmup)[:, None]
   hit = reached & (n[:, None] > pos_k)
-  ctrl = state.controller
-  if ctrl is not None:
-    ctrl = adaptive.observe(ctrl, reached, hit, rows.out_pos)
   ring = ring_lib.record(rec.ring, rec.step, out_BT, n_emit, verified, jnp.where(active, n, 0),
-                         k, n_active, rows.steps, rows.out_pos)
+                         k, n_active)
   record = Record(ring=ring, step=rec.step + 1, drafted=drafted, accepted=accepted,
                   cond_trials=rec.cond_trials + jnp.sum(reached.astype(jnp.int32), 0),
                   cond_hits=rec.cond_hits + jnp.sum(hit.astype(jnp.int32), 0))
-  return record, ctrl
+  return record

@@ -1,6 +1,6 @@
 """What adaptive k keeps on disk and measures on the host: the cost table c(k) (per device kind,
-model, slot count and code), the acceptance earlier runs of a model saw (its prior and its
-output-position profile), and the summaries of a finished run that feed them. One JSON file,
+model, slot count and code), the acceptance earlier runs of a model saw (the controller's
+prior), and the summary of a finished run that feeds it. One JSON file,
 default ~/.cache/mtp_jax/cost_tables.json ($XDG_CACHE_HOME respected).
 """
 
@@ -16,34 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax import ring as ring_lib
-from mtp_jax.adaptive import PROFILE_BUCKETS, PROFILE_KEEP, PROFILE_PRIOR_TRIALS
 
 
 # ----------------------------------------------------------------------------- a run's summaries
-
-
-def run_profile(trials_N, hits_N) -> list[float]:
-  """g per bucket from first-position counts per output-position bucket (DecodeState.pos_trials
-  / pos_hits, summed over runs): each bucket's rate, pulled towards the whole rate by
-  PROFILE_PRIOR_TRIALS, over the whole rate, scaled so that the trials' mean g is 1. All ones
-  (a flat profile) without counts. Host side."""
-  t, h = np.asarray(trials_N, float), np.asarray(hits_N, float)
-  if t.sum() <= 0 or h.sum() <= 0:
-    return [1.0] * len(t)
-  whole = h.sum() / t.sum()
-  g = (h + PROFILE_PRIOR_TRIALS * whole) / (t + PROFILE_PRIOR_TRIALS) / whole
-  g = g / (np.sum(t * g) / t.sum())
-  return [float(x) for x in np.clip(g, 0.25, 4.0)]
-
-
-def merge_profile_counts(old, new):
-  """Stored (trials, hits) per bucket plus a run's, scaled to at most PROFILE_KEEP trials in
-  all: earlier runs keep their say (a run that drafted only in its rows' first tokens does not
-  erase what longer drafting showed), and the profile still follows a change. Host side."""
-  t = np.asarray(new[0], float) + (0.0 if old is None else np.asarray(old[0], float))
-  h = np.asarray(new[1], float) + (0.0 if old is None else np.asarray(old[1], float))
-  scale = min(1.0, PROFILE_KEEP / max(t.sum(), 1.0))
-  return [round(float(x), 2) for x in t * scale], [round(float(x), 2) for x in h * scale]
 
 
 def run_rates(trials_K, hits_K, min_trials: int = 16) -> list[float]:
@@ -170,22 +145,9 @@ def load_rates(path: str, key: str) -> list[float] | None:
     return None
 
 
-def load_profile(path: str, key: str):
-  """The stored profile counts (trials, hits) per output-position bucket, or None."""
-  entry = _load_entry(path, key)
-  try:
-    t, h = [float(x) for x in entry["profile_trials"]], [float(x) for x in entry["profile_hits"]]
-  except (KeyError, TypeError, ValueError):
-    return None
-  return (t, h) if len(t) == len(h) == PROFILE_BUCKETS else None
-
-
-def save_rates(path: str, key: str, rates: list[float], profile=None):
-  """rates: the level per draft position; profile: (trials, hits) per output-position bucket."""
-  entry = {"rates": [round(float(r), 4) for r in rates]}
-  if profile is not None:
-    entry["profile_trials"], entry["profile_hits"] = list(profile[0]), list(profile[1])
-  _save_entry(path, key, entry)
+def save_rates(path: str, key: str, rates: list[float]):
+  """rates: the conditional acceptance per draft position (-1: unknown)."""
+  _save_entry(path, key, {"rates": [round(float(r), 4) for r in rates]})
 
 
 def monotone(cost: list[float]) -> list[float]:

@@ -227,7 +227,8 @@ def test_donated_state_is_deleted_after_generate(tiny_model):
 
 def test_refill_ends_the_call_once_enough_rows_finish(tiny_model):
   """generate(refill=n): the call stops after the step in which the n-th row finishes (requests
-  wait for those slots); refill=0 runs every step asked for."""
+  wait for those slots), or once the finished rows stood idle idle_steps slot-steps; refill=0
+  runs every step asked for."""
   (mcfg, hcfg, params, tok), cfg = tiny_model
   eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=3, k=0, ring_size=16), tok.eod_id)
   prompts = _prompts(cfg, tok, 3, seed=3)
@@ -241,13 +242,13 @@ def test_refill_ends_the_call_once_enough_rows_finish(tiny_model):
   state = eng.generate(params, fresh(), 16, sample=False)
   assert int(state.record.step) == 16
   done_at = {}
-  for refill in (1, 2):
-    state = eng.generate(params, fresh(), 16, sample=False, refill=refill)
-    done_at[refill] = int(state.record.step)
-    assert int(np.sum(np.asarray(state.rows.done))) >= refill
+  for refill, idle in ((1, np.inf), (2, np.inf), (2, 0), (2, 2)):
+    state = eng.generate(params, fresh(), 16, sample=False, refill=refill, idle_steps=idle)
+    done_at[refill, idle] = int(state.record.step)
+    assert int(np.sum(np.asarray(state.rows.done))) >= (refill if idle == np.inf else 1)
   eod = tok.eod_id
   buf = np.asarray(state.rows.tokens)
   hit_eod = [eod in buf[r, len(p):].tolist() for r, p in enumerate(prompts)]
-  if not any(hit_eod[:2]):
-    assert done_at == {1: 3, 2: 6}, done_at
-  assert done_at[1] <= done_at[2] < 16
+  if not any(hit_eod[:2]):       # row 0 frees its slot after step 3, row 1 after step 6
+    assert done_at == {(1, np.inf): 3, (2, np.inf): 6, (2, 0): 3, (2, 2): 5}, done_at
+  assert done_at[1, np.inf] <= done_at[2, np.inf] < 16

@@ -175,9 +175,7 @@ class Decoder:
     clock = _RefillClock(eng.cfg.batch_size)
     state = slots.fill(state)
     while slots.busy():
-      if slots.cancel.any():
-        state = eng.cancel(state, slots.cancel)
-        slots.cancel[:] = False
+      state = slots.apply_cancel(state)
       # While requests wait, the chunk ends once every waiting request has a free slot, or once
       # the freed slots' idleness outweighs a refill's cost (_RefillClock).
       clock.launch()
@@ -192,7 +190,7 @@ class Decoder:
         step0 = drain.drained_step
         slots.collect(slots.timed(drain.finish))
         clock.chunk_done(drain.drained_step - step0, refilling=bool(slots.queue))
-        state = slots.fill(state)
+        state = slots.fill(slots.apply_cancel(state))   # before a new request takes the slot
     if drain.pending:
       slots.collect(slots.timed(drain.finish))
     slots.hand_over()
@@ -308,6 +306,13 @@ class _Slots:
     out = fn()
     self.wait += time.perf_counter() - t0
     return out
+
+  def apply_cancel(self, state):
+    """Stops on the device the rows the host finished (stop strings)."""
+    if self.cancel.any():
+      state = self.dec.engine.cancel(state, self.cancel)
+      self.cancel[:] = False
+    return state
 
   def fill(self, state):
     """Prefills waiting requests into free slots, up to prefill_rows per call (a call of

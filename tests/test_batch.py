@@ -150,6 +150,22 @@ def test_stop_strings_end_rows_early(decoder):
   assert cut.steps < full.steps
 
 
+def test_a_stopped_row_does_not_stop_the_request_that_takes_its_slot(trained_tiny):
+  """One slot: the first request ends on a stop string (the host cancels its row), and the next
+  request, refilled into the same slot in the same pass, decodes all its tokens."""
+  _, workdir, _ = trained_tiny
+  mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
+  dec = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=1, k=0, ring_size=8))
+  prompt = tok.encode("def f(x):\n")
+  full = dec.run([api.Request(prompt, 30)])[0]
+  assert len(full.token_ids) >= 10, full
+  stop = tok.decode(full.token_ids)[3:6]
+  assert stop
+  a, b = dec.run([api.Request(prompt, 30, stop=(stop,)), api.Request(prompt, 30)])
+  assert a.finish_reason == "stop"
+  assert b.token_ids == full.token_ids, (b.finish_reason, b.token_ids)
+
+
 def test_per_row_seeds_make_sampled_rows_reproducible(decoder):
   enc = decoder.tokenizer.encode
   req = lambda p, s: api.Request(enc(p), 16, temperature=1.0, seed=s)

@@ -25,6 +25,7 @@ from mtp_jax import engine as engine_lib
 from mtp_jax import ring as ring_lib
 from mtp_jax import shapes
 from mtp_jax import sharding as sharding_lib
+from mtp_jax import state as state_lib
 from mtp_jax import tables
 from mtp_jax.config import DecodeConfig
 
@@ -158,7 +159,7 @@ class Decoder:
     if eng.cfg.adaptive and prior is not None:
       state = eng.put(state, prior_rate=prior)
     state = self._decode(state, slots)
-    self.last_stats = engine_lib.stats(state)
+    self.last_stats = state_lib.stats(state)
     if eng.cfg.adaptive:     # the acceptance this run saw: the next run's prior (adaptive k)
       self._learn(sampled_run, prior)
     self.last_timing = {"wall_s": time.perf_counter() - slots.t_start, "wait_s": slots.wait}

@@ -32,7 +32,7 @@ from mtp_jax import tables
 from mtp_jax.config import DecodeConfig, HeadsConfig, ModelConfig
 from mtp_jax.drafters.base import history, peak_prob  # noqa: F401  (peak_prob: re-exported)
 from mtp_jax.shapes import Chain, Tree
-from mtp_jax.state import Caches, DecodeState, Drafts, Prefix, Record, Rows
+from mtp_jax.state import Caches, DecodeState, Drafts, Prefix, Record, Rows, stats  # noqa: F401
 
 __all__ = ["Caches", "DecodeState", "Drafts", "Engine", "Prefix", "Record", "Rows", "stats"]
 
@@ -393,20 +393,3 @@ def max_slots(model_cfg: ModelConfig, heads_cfg: HeadsConfig, decode_cfg: Decode
 def needs_sampling(temperature, penalty) -> bool:
   """Whether rows with these parameters need the sampling variant of the step."""
   return bool(np.any(np.asarray(temperature) > 0) or np.any(np.asarray(penalty) != 1.0))
-
-
-def stats(state: DecodeState) -> dict:
-  """Acceptance statistics of the counters (host values)."""
-  rec, rows = state.record, state.rows
-  drafted, accepted = np.asarray(rec.drafted), np.asarray(rec.accepted)
-  steps, emitted = np.asarray(rows.steps), np.asarray(rows.emitted)
-  out = {
-      "steps": int(np.asarray(rec.step)), "row_steps": int(steps.sum()),
-      "acceptance_length": float(emitted.sum() / max(steps.sum(), 1)),
-      "acceptance_rate_per_position": [float(a / d) if d else 0.0
-                                       for a, d in zip(accepted, drafted)],
-      "drafted": drafted.tolist(), "accepted": accepted.tolist(),
-      "cond_trials": np.asarray(rec.cond_trials).tolist(),
-      "cond_hits": np.asarray(rec.cond_hits).tolist(),
-  }
-  return out

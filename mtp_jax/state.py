@@ -7,6 +7,7 @@ modules, D model width, R ring records, n / P a prefill's rows and padded prompt
 from __future__ import annotations
 
 import jax
+import numpy as np
 from flax import struct
 
 from mtp_jax import adaptive
@@ -96,3 +97,19 @@ class Prefix:
   draft_logq: jax.Array    # [n, Kd, V]
   draft_conf: jax.Array    # [n, Kd]
   key: jax.Array           # [n] the rows' PRNG keys for their decode steps
+
+
+def stats(state: DecodeState) -> dict:
+  """Acceptance statistics of the counters (host values)."""
+  rec, rows = state.record, state.rows
+  drafted, accepted = np.asarray(rec.drafted), np.asarray(rec.accepted)
+  steps, emitted = np.asarray(rows.steps), np.asarray(rows.emitted)
+  return {
+      "steps": int(np.asarray(rec.step)), "row_steps": int(steps.sum()),
+      "acceptance_length": float(emitted.sum() / max(steps.sum(), 1)),
+      "acceptance_rate_per_position": [float(a / d) if d else 0.0
+                                       for a, d in zip(accepted, drafted)],
+      "drafted": drafted.tolist(), "accepted": accepted.tolist(),
+      "cond_trials": np.asarray(rec.cond_trials).tolist(),
+      "cond_hits": np.asarray(rec.cond_hits).tolist(),
+  }

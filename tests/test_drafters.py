@@ -11,6 +11,7 @@ import pytest
 from mtp_jax import api
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import engine as E
+from mtp_jax import state as state_lib
 from mtp_jax import model as model_lib
 from mtp_jax.config import DecodeConfig
 from tests.stats import homogeneity
@@ -81,7 +82,7 @@ def test_sampling_is_lossless(tiny, drafter):
       state = eng.insert(pre, state, list(range(64)), 3, 1.0, 8, 1.0)
       state = eng.generate(p, state, 8, sample=True)
       rows.append(np.asarray(state.rows.tokens)[:, len(prompt) + 1: len(prompt) + 3])
-    return np.concatenate(rows), E.stats(state)
+    return np.concatenate(rows), state_lib.stats(state)
 
   a, _ = sample(0, 1)
   b, st = sample(3, 2, drafter=drafter)

@@ -12,6 +12,7 @@ from mtp_jax import api
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import data as data_lib
 from mtp_jax import engine as E
+from mtp_jax import state as state_lib
 from mtp_jax import generate as G
 from mtp_jax import ring as ring_lib
 from mtp_jax.config import DecodeConfig
@@ -128,7 +129,7 @@ def _sample_engine(mcfg, hcfg, params, tok, k, n_rounds, batch, prompt, max_new,
     toks = np.asarray(state.rows.tokens)[:, len(prompt): len(prompt) + max_new]
     lens = np.asarray(state.rows.length) - len(prompt)
     rows.append(np.where(np.arange(max_new)[None] < lens[:, None], toks, -1))
-  return np.concatenate(rows), E.stats(state)
+  return np.concatenate(rows), state_lib.stats(state)
 
 
 @pytest.mark.parametrize("penalty, threshold, adaptive",

@@ -15,6 +15,7 @@ from mtp_jax import cache as kv
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config as config_lib
 from mtp_jax import engine as E
+from mtp_jax import state as state_lib
 from mtp_jax import model as model_lib
 from mtp_jax import train_lib
 from mtp_jax.config import DecodeConfig, HeadsConfig
@@ -128,7 +129,7 @@ def test_sampling_is_lossless(seq_model):
       state = eng.insert(pre, state, list(range(64)), 3, 1.0, 8, 1.0)
       state = eng.generate(params, state, 8, sample=True)
       rows.append(np.asarray(state.rows.tokens)[:, len(prompt) + 1: len(prompt) + 3])
-    return np.concatenate(rows), E.stats(state)
+    return np.concatenate(rows), state_lib.stats(state)
 
   a, _ = sample(0, 1)
   b, st = sample(3, 2)

@@ -14,6 +14,7 @@ from mtp_jax import api
 from mtp_jax import benchmark
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import engine as E
+from mtp_jax import state as state_lib
 from mtp_jax import shapes as S
 from mtp_jax.config import ConfigError, DecodeConfig, HeadsConfig
 from tests.conftest import tiny_config
@@ -104,7 +105,7 @@ def _samples(params, eng, prompt, penalty, seed, n_rounds=24, batch=64, max_new=
     toks = np.asarray(state.rows.tokens)[:, len(prompt): len(prompt) + max_new]
     lens = np.asarray(state.rows.length) - len(prompt)
     rows.append(np.where(np.arange(max_new)[None] < lens[:, None], toks, -1))
-  return np.concatenate(rows), E.stats(state)
+  return np.concatenate(rows), state_lib.stats(state)
 
 
 @pytest.mark.parametrize("penalty", [1.0, pytest.param(3.0, marks=pytest.mark.slow)])

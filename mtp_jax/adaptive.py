@@ -42,6 +42,8 @@ class Controller:
   counts it reads are the ring's (DecodeState.record)."""
   cost: jax.Array          # [Kd+1] seconds per step with k drafts
   k_force: jax.Array       # [] -1: the controller chooses k; else this k (calibration)
+  closed: jax.Array        # [] bool: no request waits for a slot (the host says so): the end of
+                           # the job counts, not tokens per second
   probe_gap: jax.Array     # [] plain segments between probes (probe_every at the start,
                            # doubling while probes find nothing worth drafting; accept_window
                            # steps after k > 0)
@@ -55,6 +57,7 @@ class Controller:
 def init_controller(kd: int, cost, probe_every: int) -> Controller:
   return Controller(
       cost=jnp.asarray(cost, jnp.float32), k_force=jnp.asarray(-1, jnp.int32),
+      closed=jnp.asarray(False),
       probe_gap=jnp.asarray(probe_every, jnp.int32), plain_segs=jnp.zeros((), jnp.int32),
       seg_k=jnp.zeros((), jnp.int32), prior_rate=jnp.full((kd,), -1.0, jnp.float32))
 
@@ -66,29 +69,48 @@ def choose(state, limit_B, allowed_K1, window: int, margin: float):
   (none without a fresh draft)."""
   c, rows = state.controller, state.rows
   kd = state.drafts.conf.shape[1]
-  rate_K, trials_K = window_rates(state.record.ring, state.record.step, window, kd)
-  alpha_BK = estimate(rate_K, trials_K, state.drafts.conf, c.prior_rate)
-  alpha_BK = jnp.where(jnp.arange(kd)[None] < limit_B[:, None], alpha_BK, 0.0)
-  k = choose_k(c.cost, expected_emitted(alpha_BK, ~rows.done), margin, allowed_K1)
+  hits_BK, trials_BK = row_window(state.record.ring, state.record.step, window, kd)
+  trials_K = jnp.sum(trials_BK, 0)
+  rate_K = jnp.sum(hits_BK, 0) / jnp.maximum(trials_K, 1.0)
+  pooled_BK = blend(rate_K, trials_K, state.drafts.conf, c.prior_rate)
+  cut = jnp.arange(kd)[None] < limit_B[:, None]
+  alpha_BK = jnp.where(cut, lower(pooled_BK, trials_K + PRIOR_TRIALS), 0.0)
+  # Once none waits, the job ends with its slowest row: each row's own counts (the pooled
+  # estimate their prior) and the spread of what it will realise (finish_alpha).
+  own_BK = (hits_BK + PRIOR_TRIALS * pooled_BK) / (trials_BK + PRIOR_TRIALS)
+  own_BK = finish_alpha(own_BK, trials_BK + PRIOR_TRIALS, rows.remaining, ~rows.done)
+  own_BK = jnp.where(cut, own_BK, 0.0)
+  k = jnp.where(c.closed,
+                choose_k_to_finish(c.cost, own_BK, ~rows.done, rows.remaining, margin,
+                                   allowed_K1),
+                choose_k(c.cost, expected_emitted(alpha_BK, ~rows.done), margin, allowed_K1))
   forced = jnp.max(jnp.where(allowed_K1 & (jnp.arange(kd + 1) <= c.k_force),
                              jnp.arange(kd + 1), 0))
   return jnp.where(c.k_force >= 0, forced, k).astype(jnp.int32)
 
 
-def estimate(rate_K, trials_K, conf_BK, prior_K):
-  """-> [B, K]: per row and draft position, the acceptance the controller counts on: the
-  window's rate blended with the prior by trials, less one standard error of that blend
-  (binomial, over the window's trials plus the prior's PRIOR_TRIALS). The prior: prior_K where
-  known (>= 0), else the row's head confidence at the first position and the estimate of the
-  position before at later ones."""
+def blend(rate_K, trials_K, conf_BK, prior_K):
+  """-> [B, K]: per row and draft position, the window's rate blended with the prior by trials
+  (PRIOR_TRIALS pseudo-trials). The prior: prior_K where known (>= 0), else the row's head
+  confidence at the first position and the estimate of the position before at later ones."""
   lam_K = trials_K / (trials_K + PRIOR_TRIALS)
   cols, prev = [], conf_BK[:, 0]
   for i in range(conf_BK.shape[1]):
     prior = jnp.where(prior_K[i] >= 0, prior_K[i], prev)
     prev = jnp.clip(lam_K[i] * rate_K[i] + (1.0 - lam_K[i]) * prior, 0.0, 1.0)
     cols.append(prev)
-  alpha = jnp.stack(cols, 1)
-  return jnp.clip(alpha - jnp.sqrt(alpha * (1.0 - alpha) / (trials_K + PRIOR_TRIALS)), 0.0, 1.0)
+  return jnp.stack(cols, 1)
+
+
+def lower(alpha, n):
+  """One (binomial) standard error below alpha, an estimate over n trials."""
+  return jnp.clip(alpha - jnp.sqrt(alpha * (1.0 - alpha) / n), 0.0, 1.0)
+
+
+def estimate(rate_K, trials_K, conf_BK, prior_K):
+  """-> [B, K]: the acceptance the controller counts on while requests wait: blend, less one
+  standard error over the window's trials plus the prior's."""
+  return lower(blend(rate_K, trials_K, conf_BK, prior_K), trials_K + PRIOR_TRIALS)
 
 
 def row_window(ring: ring_lib.Ring, step, window: int, k_max: int):
@@ -133,6 +155,34 @@ def choose_k(cost_K1, expected_K1, margin: float = 0.0, allowed_K1=None):
     rate = jnp.where(allowed_K1, rate, -jnp.inf)
   best = jnp.argmax(rate)
   return jnp.where(rate[best] > rate[0] * (1.0 + margin), best, 0).astype(jnp.int32)
+
+
+def finish_alpha(alpha_BK, n_BK, remaining_B, active_B):
+  """-> [B, K]: the acceptance to plan the end of a job with. A row realises over its h
+  remaining steps a rate around its estimate with variance a(1 - a) (1/n + 1/h) (the estimate's
+  error over its n trials and the binomial scatter of h steps), and the job ends with the slowest
+  of the m active rows: each rate is taken the expected maximum of m standard normals (Blom's
+  approximation, 0 for one row) standard deviations below its estimate."""
+  m = jnp.sum(active_B.astype(jnp.float32))
+  z = jax.scipy.special.ndtri((m - 0.375) / (m + 0.25))
+  h_B = jnp.maximum(jnp.asarray(remaining_B, jnp.float32) / (1.0 + alpha_BK[:, 0]), 1.0)
+  sd_BK = jnp.sqrt(alpha_BK * (1.0 - alpha_BK) * (1.0 / n_BK + 1.0 / h_B[:, None]))
+  return jnp.clip(alpha_BK - jnp.maximum(z, 0.0) * sd_BK, 0.0, 1.0)
+
+
+def choose_k_to_finish(cost_K1, alpha_BK, active_B, remaining_B, margin: float = 0.0,
+                       allowed_K1=None):
+  """When no request waits, only the end of the job counts: the k that minimises max over
+  active rows of remaining_i / E_i[emitted | k] x c(k) (a row that finishes early frees a slot
+  nobody takes, while every step costs c(k) for all slots). Ties go to the smaller k; k > 0
+  only when expected to finish sooner than plain decoding by more than `margin`."""
+  rem = jnp.asarray(remaining_B, jnp.float32)[:, None]
+  t = jnp.where(active_B[:, None], rem / row_expected(alpha_BK) * cost_K1[None], 0.0)
+  t = jnp.max(t, axis=0)
+  if allowed_K1 is not None:
+    t = jnp.where(allowed_K1, t, jnp.inf)
+  best = jnp.argmin(t)
+  return jnp.where(t[best] * (1.0 + margin) < t[0], best, 0).astype(jnp.int32)
 
 
 def viable_ks(cost_K1, margin: float = 0.0) -> tuple[int, ...]:

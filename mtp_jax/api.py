@@ -175,8 +175,12 @@ class Decoder:
     drain = ring_lib.Drain()
     clock = _RefillClock(eng.cfg.batch_size)
     state = slots.fill(state)
+    closed = None           # adaptive k: no request waits, so only the end of the job counts
     while slots.busy():
       state = slots.apply_cancel(state)
+      if eng.cfg.adaptive and closed != (not slots.queue):
+        closed = not slots.queue
+        state = eng.put(state, closed=closed)
       # While requests wait, the chunk ends once every waiting request has a free slot, or once
       # the freed slots' idleness outweighs a refill's cost (_RefillClock).
       clock.launch()

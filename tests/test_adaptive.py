@@ -63,6 +63,32 @@ def test_a_few_good_trials_near_break_even_do_not_switch_to_drafting():
     assert int(A.choose_k(cost, A.expected_emitted(alpha, active), 0.02)) == want, trials
 
 
+def test_once_none_waits_the_slowest_row_sets_the_choice():
+  """Tokens per second favour one draft (mean acceptance 0.7 against a cost of 1.5 plain
+  steps); the end of the job is set by the row that drafts worst (0.4: 1.4 tokens a step), so
+  plain decoding finishes sooner. A row that is done does not count."""
+  cost = jnp.asarray([1.0, 1.5])
+  alpha = jnp.asarray([[0.9], [0.8], [0.7], [0.4]])
+  active, rem = jnp.ones((4,), bool), jnp.full((4,), 50)
+  assert int(A.choose_k(cost, A.expected_emitted(alpha, active))) == 1
+  assert int(A.choose_k_to_finish(cost, alpha, active, rem)) == 0
+  assert int(A.choose_k_to_finish(cost, alpha, jnp.asarray([True, True, True, False]), rem)) == 1
+
+
+def test_the_end_of_a_job_plans_with_the_slowest_of_many_rows():
+  """64 rows alike (0.8 over 32 trials, 40 tokens left): the slowest of them realises about 2.4
+  standard deviations less; one row alone plans with its estimate."""
+  a = jnp.full((64, 2), 0.8)
+  n = jnp.full((64, 2), 32.0)
+  rem, act = jnp.full((64,), 40), jnp.ones((64,), bool)
+  low = np.asarray(A.finish_alpha(a, n, rem, act))
+  sd = np.sqrt(0.8 * 0.2 * (1 / 32 + 1.8 / 40))
+  # The expected maximum of 64 standard normals is 2.41 (Blom's approximation: 2.34).
+  assert np.all(low > 0.8 - 2.45 * sd) and np.all(low < 0.8 - 2.3 * sd), (low[0], sd)
+  one = np.asarray(A.finish_alpha(a[:1], n[:1], rem[:1], act[:1]))
+  np.testing.assert_allclose(one, 0.8, atol=1e-6)
+
+
 def test_argmax_matches_brute_force():
   rng = np.random.default_rng(0)
   for _ in range(200):
@@ -85,7 +111,7 @@ def test_only_the_k_that_can_pay_are_kept():
   assert A.viable_ks([1.0, 1.01, 1.02, 1.03]) == (0, 1, 2, 3)
   assert A.viable_ks([1.0, 1.5, 3.5, 3.7], 0.05) == (0, 1, 3)
   assert A.viable_ks([1.0, 1.95, 2.8], 0.05) == (0, 2)        # k=1: 2/1.95 beats 1 by < 5%
-  # Exact: under any acceptance (all accepted included), the objective picks no other k.
+  # Exact: under any acceptance (all accepted included), neither objective picks another k.
   rng = np.random.default_rng(1)
   for _ in range(300):
     k_max, b = int(rng.integers(1, 5)), int(rng.integers(1, 9))
@@ -97,6 +123,8 @@ def test_only_the_k_that_can_pay_are_kept():
     ks = A.viable_ks(cost, margin)
     c, a, act = jnp.asarray(cost), jnp.asarray(alpha, jnp.float32), jnp.asarray(active)
     assert int(A.choose_k(c, A.expected_emitted(a, act), margin)) in ks
+    rem = jnp.asarray(rng.integers(1, 100, b))
+    assert int(A.choose_k_to_finish(c, a, act, rem, margin)) in ks
     assert int(A.choose_k(c, A.expected_emitted(jnp.ones_like(a), act), margin)) in ks
 
 

@@ -22,6 +22,11 @@ estimate looked high would otherwise be chosen mostly where the estimate erred u
 next steps then realise less), and k > 0 must beat plain decoding by adapt_margin (the cost
 table's own error). A plain segment drafts nothing, so probes (loop.py) verify one draft now and
 then to keep the window's counts current.
+
+Once no request waits for a slot (Controller.closed, set by the host), the job ends with its
+slowest row: the controller then minimises the expected end of the last row (choose_k_to_finish),
+each row's rate from its own window counts and taken below its estimate by the spread of what
+the slowest of the rows will realise (finish_alpha).
 """
 
 from __future__ import annotations

@@ -11,8 +11,10 @@ finishes, the slot is refilled by prefill + insert between generate calls.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import time
+import weakref
 from typing import Sequence
 
 import jax
@@ -22,6 +24,7 @@ import numpy as np
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config as config_lib
 from mtp_jax import engine as engine_lib
+from mtp_jax import refill as refill_lib
 from mtp_jax import ring as ring_lib
 from mtp_jax import shapes
 from mtp_jax import sharding as sharding_lib
@@ -74,6 +77,7 @@ class Decoder:
     # (True): the controller's prior.
     self._prior: dict[bool, list[float]] = {}
     self._rates_path: str | None = None      # where runs' acceptance is stored (calibrate)
+    self._stored: set[bool] = set()          # greedy / sampled priors written by this decoder
     self._fingerprint: str | None = None
     self.last_timing: dict = {}
 
@@ -173,7 +177,7 @@ class Decoder:
     next chunk is launched first and the previous one drained while the device runs it."""
     eng = self.engine
     drain = ring_lib.Drain()
-    clock = _RefillClock(eng.cfg.batch_size)
+    clock = refill_lib.RefillClock(eng.cfg.batch_size)
     state = slots.fill(state)
     closed = None           # adaptive k: no request waits, so only the end of the job counts
     while slots.busy():
@@ -182,7 +186,7 @@ class Decoder:
         closed = not slots.queue
         state = eng.put(state, closed=closed)
       # While requests wait, the chunk ends once every waiting request has a free slot, or once
-      # the freed slots' idleness outweighs a refill's cost (_RefillClock).
+      # the freed slots' idleness outweighs a refill's cost (refill.py).
       clock.launch()
       state = eng.generate(self.params, state, sample=slots.sampling(),
                            refill=min(len(slots.queue), eng.cfg.batch_size),
@@ -222,8 +226,18 @@ class Decoder:
     rates = tables.run_rates(st["cond_trials"], st["cond_hits"])
     prior = [r if r >= 0 else p for r, p in zip(rates, prior or rates)]
     self._prior[sampled_run] = prior
-    if self._rates_path and max(rates, default=-1.0) >= 0:
-      tables.save_rates(self._rates_path, self._rates_key(sampled_run), prior)
+    # Stored for the next process: after this decoder's first run of each kind, then its last
+    # prior once the process exits (a file write per run is a few percent of a short run).
+    if self._rates_path and max(rates, default=-1.0) >= 0 and sampled_run not in self._stored:
+      if not self._stored:
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref()._store_priors())
+      self._stored.add(sampled_run)
+      self._store_priors()
+
+  def _store_priors(self):
+    for sampled in self._stored:
+      tables.save_rates(self._rates_path, self._rates_key(sampled), self._prior[sampled])
 
   def _finish(self, req: Request, ids: list[int], steps: int) -> Completion:
     eod = self.tokenizer.eod_id
@@ -246,37 +260,6 @@ class Decoder:
     return Completion(text=text, token_ids=ids, finish_reason=reason,
                       prompt_tokens=len(req.prompt_ids), steps=steps,
                       acceptance_length=emitted / steps if steps else 0.0)
-
-
-class _RefillClock:
-  """How long freed slots may stand idle while requests wait. A refill stops the device for F
-  seconds (drain, prefill, insert, relaunch); a slot idle for a step costs 1/B of a step of s
-  seconds. Refilling once the freed slots' idle slot-steps reach B x F / s costs at most twice
-  what the best schedule in hindsight would (the ski-rental rule); F and s are this run's own
-  means so far (0 before the first refill: refill at the first freed slot)."""
-
-  def __init__(self, b: int):
-    self.b, self.gap_s, self.refills, self.chunk_s, self.steps = b, 0.0, 0, 0.0, 0
-    self.t_launch = self.t_ready = None
-
-  def launch(self):
-    now = time.perf_counter()
-    if self.t_ready is not None:          # the device stood still since the last chunk ended
-      self.gap_s += now - self.t_ready
-      self.refills += 1
-      self.t_ready = None
-    self.t_launch = now
-
-  def chunk_done(self, steps: int, refilling: bool):
-    now = time.perf_counter()
-    self.chunk_s += now - self.t_launch
-    self.steps += steps
-    self.t_ready = now if refilling else None
-
-  def idle_steps(self) -> float:
-    if not self.refills or not self.steps:
-      return 0.0
-    return self.b * (self.gap_s / self.refills) / (self.chunk_s / self.steps)
 
 
 class _Slots:

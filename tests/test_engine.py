@@ -118,6 +118,12 @@ def _sample_engine(mcfg, hcfg, params, tok, k, n_rounds, batch, prompt, max_new,
   eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=batch, k=k, ring_size=8,
                                           confidence_threshold=threshold, adaptive=adaptive,
                                           adapt_margin=0.0), tok.eod_id)
+  return sample_rounds(params, eng, prompt, penalty, seed, n_rounds, batch, max_new, top_k)
+
+
+def sample_rounds(params, eng, prompt, penalty, seed, n_rounds, batch, max_new, top_k):
+  """Generated tokens of n_rounds x batch rows sampling the same prompt at temperature 1 (-1
+  past a row's end), and the last round's statistics."""
   rows = []
   for r in range(n_rounds):
     key = jax.random.key(seed * 1000 + r)

@@ -6,7 +6,6 @@ import logging
 import os
 
 import jax
-import numpy as np
 import pytest
 
 from infer import checks
@@ -14,12 +13,11 @@ from mtp_jax import api
 from mtp_jax import benchmark
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import engine as E
-from mtp_jax import state as state_lib
 from mtp_jax import shapes as S
 from mtp_jax.config import ConfigError, DecodeConfig, HeadsConfig
 from tests.conftest import tiny_config
 from tests.stats import homogeneity
-from tests.test_engine import _CompileCounter, _prompts
+from tests.test_engine import _CompileCounter, _prompts, sample_rounds
 
 # Several children at depths 1 and 2: (0,) (1,) (2,) (0,0) (0,1) (1,0) (0,0,0) (0,0,1)
 WIDE = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1))
@@ -95,17 +93,7 @@ def test_rows_stop_before_the_tree_leaves_the_cache(tiny_model):
 
 def _samples(params, eng, prompt, penalty, seed, n_rounds=24, batch=64, max_new=3, top_k=4):
   """Generated tokens of n_rounds x batch rows sampling the same prompt (-1 past a row's end)."""
-  rows = []
-  for r in range(n_rounds):
-    state = eng.init_state(seed * 1000 + r)
-    prefix = eng.prefill(params, [prompt] * batch, jax.random.key(seed * 1000 + r),
-                         [1.0] * batch, [top_k] * batch, [1.0] * batch, [penalty] * batch)
-    state = eng.insert(prefix, state, list(range(batch)), max_new, 1.0, top_k, 1.0, penalty)
-    state = eng.generate(params, state, 8, sample=True)
-    toks = np.asarray(state.rows.tokens)[:, len(prompt): len(prompt) + max_new]
-    lens = np.asarray(state.rows.length) - len(prompt)
-    rows.append(np.where(np.arange(max_new)[None] < lens[:, None], toks, -1))
-  return np.concatenate(rows), state_lib.stats(state)
+  return sample_rounds(params, eng, prompt, penalty, seed, n_rounds, batch, max_new, top_k)
 
 
 @pytest.mark.parametrize("penalty", [1.0, pytest.param(3.0, marks=pytest.mark.slow)])

@@ -117,7 +117,8 @@ class Engine:
     zeros_k = jnp.zeros((kd,), jnp.int32)
     rows = Rows(tokens=jnp.zeros((b, s), jnp.int32), length=jnp.ones((b,), jnp.int32),
                 prompt_len=jnp.ones((b,), jnp.int32), stop_len=jnp.ones((b,), jnp.int32),
-                done=jnp.ones((b,), bool), steps=zeros_b, emitted=zeros_b)
+                done=jnp.ones((b,), bool), steps=zeros_b, emitted=zeros_b,
+                cond_trials=jnp.zeros((b, kd), jnp.int32), cond_hits=jnp.zeros((b, kd), jnp.int32))
     draft_BK = (b, kd) if self.tree is None else (b, kd, self.tree.top_k)   # a tree: [B, Kd, R]
     drafts = Drafts(tokens=jnp.zeros(draft_BK, jnp.int32),
                     logq=jnp.zeros((b, kd, v), jnp.float32),
@@ -289,7 +290,8 @@ class Engine:
     rows_ = Rows(tokens=r.tokens.at[slots].set(row_tokens), length=r.length.at[slots].set(length),
                  prompt_len=r.prompt_len.at[slots].set(prefix.length),
                  stop_len=r.stop_len.at[slots].set(stop_len), done=r.done.at[slots].set(done),
-                 steps=r.steps.at[slots].set(z), emitted=r.emitted.at[slots].set(z))
+                 steps=r.steps.at[slots].set(z), emitted=r.emitted.at[slots].set(z),
+                 cond_trials=r.cond_trials.at[slots].set(0), cond_hits=r.cond_hits.at[slots].set(0))
     d = state.drafts
     drafts = Drafts(tokens=d.tokens.at[slots].set(prefix.drafts),
                     logq=d.logq.at[slots].set(prefix.draft_logq),
@@ -343,6 +345,11 @@ class Engine:
     allowed = jnp.isin(jnp.arange(self.kd + 1), jnp.asarray(ks))
     return adaptive.choose(state, self.controller_limit(state), allowed, self.cfg.accept_window,
                            self.cfg.adapt_margin)
+
+  def worth_probing(self, state: DecodeState, ks: tuple[int, ...]):
+    """Whether a probe could lead the controller to draft (adaptive.worth_probing)."""
+    allowed = jnp.isin(jnp.arange(self.kd + 1), jnp.asarray(ks))
+    return adaptive.worth_probing(state, allowed, self.cfg.accept_window, self.cfg.adapt_margin)
 
   def _generate_impl(self, params, state: DecodeState, num_steps, refill, idle_steps,
                      sample: bool, ks: tuple[int, ...] | None = None):

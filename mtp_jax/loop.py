@@ -12,7 +12,9 @@ acceptance in the window and fresh confidences when acceptance may have recovere
 adapt_every=1 a probe is that one step, which has nothing to verify and drafts one head).
 (Confidences alone keep a controller that began plain there: the heads' peak probability
 understates how often their drafts are accepted, and nothing else would ever be verified.) Probes
-come every probe_gap plain segments; the gap doubles after each probe that leads to no drafting
+come every probe_gap plain segments, and only where one could lead to drafting: some k beats
+plain decoding at the rates one standard error above their estimates (adaptive.worth_probing;
+else plain decoding runs to the end of the call); the gap doubles after each probe that leads to no drafting
 (up to probe_every_max), since a probe costs head work and a step of one draft; after a drafting
 segment it is accept_window steps (in segments): the turn to plain decoding is checked again once
 the rates that made it have left the window.
@@ -143,9 +145,10 @@ class Loop:
     of the call). -> (i, st)"""
     every, c = self.every, st.controller
     phase = st.record.step % every
-    forced = c.k_force >= 0
-    run = (k == 0) & (forced | (c.plain_segs + 1 < c.probe_gap))
-    n_run = jnp.where(forced, self.num_steps - i,
+    # No probe is due where none could lead to drafting (forced, or not worth_probing).
+    to_end = (c.k_force >= 0) | ~self.eng.worth_probing(st, self.ks)
+    run = (k == 0) & (to_end | (c.plain_segs + 1 < c.probe_gap))
+    n_run = jnp.where(to_end, self.num_steps - i,
                       every * (c.probe_gap - 1 - c.plain_segs) - phase)
     j, i, st = self.steps(self.zero, i, st, 0, 0, lambda j: run & (j < n_run), want_conf=False)
     c = st.controller
@@ -160,7 +163,8 @@ class Loop:
     phase = st.record.step % every
     k = self.choose(st)
     c = st.controller
-    probe = (k == 0) & (c.plain_segs + 1 >= c.probe_gap) & (c.k_force < 0)
+    probe = ((k == 0) & (c.plain_segs + 1 >= c.probe_gap) & (c.k_force < 0)
+             & self.eng.worth_probing(st, self.ks))
     n_run = every - phase                      # steps to the end of the segment
     j, i, st = self.steps(self.zero, i, st, 0, 0, lambda j: probe & (j < n_run - 2),
                           want_conf=False)

@@ -26,6 +26,9 @@ class Rows:
   done: jax.Array          # [B] bool (free slots are done)
   steps: jax.Array         # [B] decode steps while the row was active
   emitted: jax.Array       # [B] tokens emitted by decode steps
+  cond_trials: jax.Array   # [B, Kd] since the row's insertion, per draft position: drafts
+                           # reached (verified, every draft before accepted); adaptive k only
+  cond_hits: jax.Array     # [B, Kd] and accepted there (the end of a job is planned with them)
 
   @property
   def out_pos(self):

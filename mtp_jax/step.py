@@ -96,9 +96,12 @@ def step(sc: StepConfig, drafter, m, dm, state: DecodeState, shape: Chain | Tree
   drafts, dcache, seq_h = _draft_next(sc, drafter, m, dm, inp, state.drafts, nd, sample,
                                       want_conf)
   # 6. record
-  record = _record(sc, state, n, n_emit, out_BT, k_row, k)
+  record, reached_BK, hit_BK = _record(sc, state, n, n_emit, out_BT, k_row, k)
   rows = rows.replace(steps=rows.steps + active.astype(jnp.int32),
                       emitted=rows.emitted + n_emit)
+  if sc.adaptive:
+    rows = rows.replace(cond_trials=rows.cond_trials + reached_BK.astype(jnp.int32),
+                        cond_hits=rows.cond_hits + hit_BK.astype(jnp.int32))
   return DecodeState(rows=rows, drafts=drafts,
                      caches=Caches(trunk=trunk, draft=dcache, seq_h=seq_h),
                      sampling=state.sampling.replace(key=key), record=record,
@@ -188,7 +191,8 @@ def _draft_next(sc, drafter, m, dm, inp: DraftInput, old: Drafts, nd: int, sampl
 
 
 def _record(sc, state, n, n_emit, out_BT, k_row, k: int):
-  """The step's ring entry and the run's per-position counters. -> Record."""
+  """The step's ring entry and the run's per-position counters. -> (Record, per row and draft
+  position: reached [B, Kd], accepted there [B, Kd])."""
   rec, rows = state.record, state.rows
   active = ~rows.done
   n_active = jnp.sum(active.astype(jnp.int32))
@@ -204,4 +208,4 @@ def _record(sc, state, n, n_emit, out_BT, k_row, k: int):
   record = Record(ring=ring, step=rec.step + 1, drafted=drafted, accepted=accepted,
                   cond_trials=rec.cond_trials + jnp.sum(reached.astype(jnp.int32), 0),
                   cond_hits=rec.cond_hits + jnp.sum(hit.astype(jnp.int32), 0))
-  return record
+  return record, reached, hit

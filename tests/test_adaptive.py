@@ -89,6 +89,42 @@ def test_the_end_of_a_job_plans_with_the_slowest_of_many_rows():
   np.testing.assert_allclose(one, 0.8, atol=1e-6)
 
 
+def test_rows_scatter_sets_how_much_the_pool_counts_in_a_rows_estimate():
+  """Rows alike: a row's estimate is the pool's (the pool's trials as pseudo-trials); one row
+  far below the others (0.55 of 30 against 0.95): its estimate stays near its own counts."""
+  act = jnp.ones((4,), bool)
+  alike = A.row_prior_trials(jnp.full((4, 1), 24.0), jnp.full((4, 1), 30.0), act)
+  np.testing.assert_allclose(np.asarray(alike), [120 + A.PRIOR_TRIALS])
+  hits = jnp.asarray([[28.5], [28.5], [28.5], [16.5]])
+  m = float(A.row_prior_trials(hits, jnp.full((4, 1), 30.0), act)[0])
+  pool = float(jnp.sum(hits)) / 120
+  own = (16.5 + m * pool) / (30 + m)
+  assert 1.0 <= m < 10 and own < 0.65, (m, own)
+  # A done row does not count.
+  done = jnp.asarray([True, True, True, False])
+  np.testing.assert_allclose(np.asarray(A.row_prior_trials(hits, jnp.full((4, 1), 30.0), done)),
+                             [90 + A.PRIOR_TRIALS])
+
+
+def _probe_state(cost, prior):
+  kd = len(prior)
+  ctrl = A.init_controller(kd, cost, 4).replace(prior_rate=jnp.asarray(prior, jnp.float32))
+  record = type("R", (), {"ring": ring_lib.init_ring(8, 2, kd), "step": jnp.asarray(0)})
+  return type("S", (), {"controller": ctrl, "record": record})
+
+
+def test_no_probe_where_even_an_optimistic_rate_cannot_pay():
+  """16 slots on XLA:CPU: a draft costs 1.93 plain steps. With earlier runs' rates (0.7, 0.6,
+  0.5) no k pays even a standard error above them: no probe. Unknown rates (a cold start) or a
+  cheap draft (one slot): probes."""
+  allowed = jnp.ones((4,), bool)
+  wide, narrow = [1.0, 1.93, 2.55, 3.19], [1.0, 1.2, 1.4, 1.6]
+  worth = lambda cost, prior: bool(A.worth_probing(_probe_state(cost, prior), allowed, 8, 0.02))
+  assert not worth(wide, [0.7, 0.6, 0.5])
+  assert worth(wide, [-1.0, -1.0, -1.0])
+  assert worth(narrow, [0.7, 0.6, 0.5])
+
+
 def test_argmax_matches_brute_force():
   rng = np.random.default_rng(0)
   for _ in range(200):
@@ -253,7 +289,9 @@ def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(
   pre = eng.prefill(params, [tok.encode("def f(x):\n")], jnp.stack([jax.random.key(0)]), [0.0],
                     [0], [1.0])
   state = eng.insert(pre, state, [0], [100], [0.0], [0], [1.0])
-  state = _controller(state, cost=jnp.asarray([1.0] + [100.0] * eng.kd))   # drafting never pays
+  # Drafting could pay only at acceptance near 1: probes are worth making (adaptive.worth_probing)
+  # but the tiny heads' drafts never make the controller draft.
+  state = _controller(state, cost=jnp.asarray([1.0 + 0.9 * k for k in range(eng.kd + 1)]))
   drafting, verifying = [], []
   for step in range(42):
     state = eng.generate(params, state, 1)

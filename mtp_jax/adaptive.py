@@ -20,10 +20,10 @@ Two guards keep the promise of never being slower than plain decoding where draf
 clearly pay: each alpha is taken one standard error below its estimate (a k chosen because its
 estimate looked high would otherwise be chosen mostly where the estimate erred upwards, and the
 next steps then realise less), and k > 0 must beat plain decoding by adapt_margin (the cost
-table's own error). A plain segment drafts nothing, so probes (loop.py) verify one draft now and
-then to keep the window's counts current; a probe is made only where some k would beat plain
-decoding at each rate one standard error *above* its estimate (worth_probing): where even that
-cannot pay, a probe costs a step of one draft and changes nothing.
+table's own error). A plain segment drafts nothing, so probes (loop.py) check one draft against
+plain decoding's token now and then to keep the window's counts current; a probe is made only
+where some k would beat plain decoding at each rate one standard error *above* its estimate
+(worth_probing): where even that cannot pay, a probe costs the heads' work and changes nothing.
 
 Once no request waits for a slot (Controller.closed, set by the host), the job ends with its
 slowest row: the controller then minimises the expected end of the last row (choose_k_to_finish),
@@ -145,9 +145,9 @@ def worth_probing(state, allowed_K1, window: int, margin: float):
   """-> [] bool: whether a probe could lead to drafting: some allowed k > 0 beats plain decoding
   by the margin at each rate one standard error above its estimate (the window's pooled counts
   blended with the prior; an unknown prior is 1 at the first position, the position before's
-  estimate past it). Probing where even this optimistic rate cannot pay costs a step of one
-  draft and the heads' work and changes nothing (at 16 slots on XLA:CPU a step of one draft
-  costs ~1.9 plain steps: a draft must be accepted ~95% of the time to pay)."""
+  estimate past it). Probing where even this optimistic rate cannot pay costs the heads' work
+  and changes nothing (at 16 slots on XLA:CPU a step of one draft costs ~1.8 plain steps: a
+  draft must be accepted over 80% of the time to pay)."""
   c = state.controller
   kd = c.prior_rate.shape[0]
   rate_K, trials_K = window_rates(state.record.ring, state.record.step, window, kd)

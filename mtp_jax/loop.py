@@ -6,26 +6,26 @@ where one is). A drafting step drafts its own k and the first draft's confidence
 controller reads); where the controller raises k, the first step of the larger k verifies the
 drafts there are (n_fresh), and the controller estimates the positions past a row's fresh
 drafts from the rates and the prior (Engine.controller_limit). A plain segment drafts nothing,
-except a probe segment: its second-to-last step drafts one head, and its last step verifies that
-draft (a step of one draft) and drafts one head again, so that the controller sees real
-acceptance in the window and fresh confidences when acceptance may have recovered (with
-adapt_every=1 a probe is that one step, which has nothing to verify and drafts one head).
+except a probe segment: its last two steps draft one head each, and a plain step holding a fresh
+draft checks it against the token it chose (step._shadow_check: what a step of one draft would
+have accepted, nothing committed), so that the controller sees real acceptance in the window and
+fresh confidences when acceptance may have recovered, at the cost of the heads' work alone.
 (Confidences alone keep a controller that began plain there: the heads' peak probability
 understates how often their drafts are accepted, and nothing else would ever be verified.) Probes
 come every probe_gap plain segments, and only where one could lead to drafting: some k beats
 plain decoding at the rates one standard error above their estimates (adaptive.worth_probing;
-else plain decoding runs to the end of the call); the gap doubles after each probe that leads to no drafting
-(up to probe_every_max), since a probe costs head work and a step of one draft; after a drafting
-segment it is accept_window steps (in segments): the turn to plain decoding is checked again once
-the rates that made it have left the window.
+else plain decoding runs to the end of the call); the gap doubles after each probe that leads to
+no drafting (up to probe_every_max); after a drafting segment it is accept_window steps (in
+segments): the turn to plain decoding is checked again once the rates that made it have left
+the window.
 
 An adaptive call runs top-level loops, in order, each step a fixed-k engine's own step:
 1. one loop per drafting k of ks, the largest first, each running while the controller keeps to
    its k (checked by a lax.cond where a segment ends);
 2. plain segments up to the start of the next probe segment: with no fresh drafts the controller
    can only choose 0 again;
-3. the probe loop: probe segments (plain steps, the last two drafting one head, the last one
-   verifying a draft), while the controller keeps to plain decoding; it stops where a drafting
+3. the probe loop: probe segments (plain steps, the last two drafting one head), while the
+   controller keeps to plain decoding; it stops where a drafting
    segment or a plain run would begin;
 4. that plain run, as in 2.
 The call ends where the controller raises k past the loops already run (the next call begins at
@@ -168,8 +168,7 @@ class Loop:
     n_run = every - phase                      # steps to the end of the segment
     j, i, st = self.steps(self.zero, i, st, 0, 0, lambda j: probe & (j < n_run - 2),
                           want_conf=False)
-    j, i, st = self.steps(j, i, st, 0, 1, lambda j: probe & (j < n_run - 1), want_conf=False)
-    j, i, st = self.steps(j, i, st, 1, 1, lambda j: probe & (j < n_run), want_conf=True)
+    j, i, st = self.steps(j, i, st, 0, 1, lambda j: probe & (j < n_run), want_conf=True)
     ended = (phase + j) // every               # segments completed
     c = st.controller
     gap = jnp.minimum(2 * c.probe_gap, self.eng.cfg.probe_every_max)

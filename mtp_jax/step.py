@@ -78,7 +78,8 @@ def step(sc: StepConfig, drafter, m, dm, state: DecodeState, shape: Chain | Tree
     h_BTD, trunk = m(inp_BT, pos_BT, state.caches.trunk)
     logits_BTV = m.logits(h_BTD)
     # 3. verify
-    n, out_BT, base_BV = _verify(sc, state, drafts_BK, logits_BTV, k_row, k_verify, sp, sample)
+    n, out_BT, base_BV, logp_BTV = _verify(sc, state, drafts_BK, logits_BTV, k_row, k_verify,
+                                           sp, sample)
   else:                                   # 1-3, and the accepted path's K/V put in place
     n, out_BT, base_BV, last_B, h_BTD, trunk = _tree_pass(sc, m, state, tree, last[:, 0],
                                                           k_verify, sp, sample)
@@ -96,7 +97,13 @@ def step(sc: StepConfig, drafter, m, dm, state: DecodeState, shape: Chain | Tree
   drafts, dcache, seq_h = _draft_next(sc, drafter, m, dm, inp, state.drafts, nd, sample,
                                       want_conf)
   # 6. record
-  record, reached_BK, hit_BK = _record(sc, state, n, n_emit, out_BT, k_row, k)
+  checked = sc.adaptive and k == 0 and sc.kd > 0   # a probe's draft, against plain decoding
+  n_rec, k_rec = (_shadow_check(sc, state, out_BT, logp_BTV, k_verify, sample) if checked
+                  else (n, k_row))
+  record, reached_BK, hit_BK = _record(sc, state, n_rec, n_emit, out_BT, k_rec, k)
+  if checked:   # the ring and the conditional counts hold the check; drafted / accepted count
+    record = record.replace(drafted=state.record.drafted,   # drafts the trunk verified
+                            accepted=state.record.accepted)
   rows = rows.replace(steps=rows.steps + active.astype(jnp.int32),
                       emitted=rows.emitted + n_emit)
   if sc.adaptive:
@@ -109,13 +116,14 @@ def step(sc: StepConfig, drafter, m, dm, state: DecodeState, shape: Chain | Tree
 
 
 def _verify(sc, state, drafts_BK, logits_BTV, k_row, k_verify, sp, sample: bool):
-  """-> (accepted n [B], emitted tokens [B, k+1], the history's presence [B, V] when sampling).
+  """-> (accepted n [B], emitted tokens [B, k+1], the history's presence [B, V] and the processed
+  target log-probabilities [B, k+1, V] when sampling).
   Rows verify only their fresh drafts (n_fresh, and the threshold's cut): a stale draft was
   proposed for another position. A fixed engine without a threshold has all k fresh in every
   row (k_row == k), so it skips the masks."""
   cut = k_row if sc.conf_threshold > 0 or sc.adaptive else None
   if not sample:
-    return sampling.verify_greedy(drafts_BK, logits_BTV, cut) + (None,)
+    return sampling.verify_greedy(drafts_BK, logits_BTV, cut) + (None, None)
   # Position j is verified against the history plus drafts 1..j.
   k, v = drafts_BK.shape[1], sc.vocab_size
   base = sampling.presence(state.rows.tokens, state.rows.length, v)
@@ -123,7 +131,25 @@ def _verify(sc, state, drafts_BK, logits_BTV, k_row, k_verify, sp, sample: bool)
   pres = jnp.concatenate([base[:, None], base[:, None] | seen], axis=1)        # [B, k+1, V]
   logp = sampling.process_logits(logits_BTV, *sp, pres)
   n, out = sampling.verify_sampling(k_verify, drafts_BK, state.drafts.logq[:, :k], logp, cut)
-  return n, out, base
+  return n, out, base, logp
+
+
+def _shadow_check(sc, state, out_BT, logp_BTV, key, sample: bool):
+  """A plain step of the adaptive loop holding a fresh first draft (a probe's: loop.py) checks
+  it as a step of one draft would have verified it, and commits nothing of it: accepted where it
+  equals the token plain decoding chose (greedy), or with probability min(1, p/q) at it
+  (sampling: a coin of its own, apart from the token's). So a probe costs the heads' work alone:
+  no step of two tokens, and rows that accept stay in step with rows that do not.
+  -> (accepted [B], verified [B]) for the record."""
+  fresh = (row_limit(sc, state.drafts) > 0) & ~state.rows.done
+  d_B = state.drafts.tokens[:, 0]
+  if not sample:
+    hit = d_B == out_BT[:, 0]
+  else:
+    take = lambda x_BV: jnp.take_along_axis(x_BV, d_B[:, None], 1)[:, 0]
+    u = jax.vmap(lambda kk: jax.random.uniform(jax.random.fold_in(kk, 1)))(key)
+    hit = jnp.log(u) < take(logp_BTV[:, 0]) - take(state.drafts.logq[:, 0])
+  return (fresh & hit).astype(jnp.int32), fresh.astype(jnp.int32)
 
 
 def _tree_pass(sc, m, state, tree: Tree, last_B, k_verify, sp, sample: bool):

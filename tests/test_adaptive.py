@@ -274,9 +274,10 @@ def test_k_changes_between_steps_without_recompiles_and_output_is_unchanged(trai
 
 @pytest.mark.slow
 def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(trained_tiny):
-  """A probe ends a plain segment: its second-to-last step drafts one head, its last step
-  verifies that draft (a step of one draft: real acceptance for the window, even where the
-  controller began plain) and drafts one head again. While probes lead to no drafting the gap
+  """A probe ends a plain segment: its last two steps draft one head, and the last one checks
+  the draft before it against the token it chose (real acceptance for the window, even where
+  the controller began plain; a plain step, nothing more is committed). While probes lead to no
+  drafting the gap
   between them doubles (up to probe_every_max; the count carries across generate calls, here
   of one step each), a probe that finds nothing does not end its call, and a drafting segment
   sets the gap to the acceptance window (in segments)."""
@@ -294,24 +295,30 @@ def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(
   state = _controller(state, cost=jnp.asarray([1.0 + 0.9 * k for k in range(eng.kd + 1)]))
   drafting, verifying = [], []
   for step in range(42):
+    draft = int(state.drafts.tokens[0, 0])
     state = eng.generate(params, state, 1)
     if int(state.drafts.n_fresh[0]) > 0:
       drafting.append(step)
-    if int(state.record.ring.k_used[step % 16]) > 0:
-      assert int(state.record.ring.verified[step % 16, 0]) == 1
-      verifying.append(step)
+    assert int(state.record.ring.k_used[step % 16]) == 0
+    assert int(state.record.ring.emitted[step % 16, 0]) == 1
+    if int(state.record.ring.verified[step % 16, 0]) > 0:
+      verifying.append(step)   # accepted where plain decoding chose the draft
+      chose = int(state.record.ring.tokens[step % 16, 0, 0])
+      assert int(state.record.ring.accepted[step % 16, 0]) == (chose == draft)
   # Segments of 3 steps; probes after 2, then 4, then 4 (the cap) plain segments, each
-  # drafting at its last two steps and verifying at the last.
-  assert verifying == [5, 17, 29, 41], verifying
-  assert drafting == [s + d for s in verifying for d in (-1, 0)], drafting
+  # drafting at its last two steps; a plain step checks the fresh draft it holds: the prefill's
+  # (step 0), the probe's second-to-last step's (at its last) and its last step's (the next).
+  probes = [5, 17, 29, 41]
+  assert verifying == [0, 5, 6, 17, 18, 29, 30, 41], verifying
+  assert drafting == [s + d for s in probes for d in (-1, 0)], drafting
   assert int(state.controller.probe_gap) == 4
   # A call through the next probe (steps 51-53): plain up to it, the probe segment, then plain
   # decoding again in the same call, to the call's 15 steps.
   state = eng.generate(params, state, 15)
   assert int(state.record.step) == 57 and int(state.drafts.n_fresh[0]) == 0
   assert int(state.controller.plain_segs) == 1
-  k_used = np.asarray(state.record.ring.k_used)
-  assert k_used[np.arange(42, 57) % 16].tolist() == [0] * 11 + [1] + [0] * 3
+  verified = np.asarray(state.record.ring.verified[:, 0])
+  assert verified[np.arange(42, 57) % 16].tolist() == [1] + [0] * 10 + [1, 1] + [0] * 2
   # Drafting made to pay even at the tiny heads' low acceptance: the next segment drafts, and
   # the gap is the acceptance window's 6 steps (2 segments): probes before that would see the
   # same rates.
@@ -338,12 +345,13 @@ def test_segments_of_all_heads_run_in_the_calls_top_level_loop(trained_tiny):
   state = eng.generate(params, _controller(state, k_force=jnp.asarray(0, jnp.int32)), 4)
   assert int(state.drafts.n_fresh[0]) == 0
   # Equal costs: the controller stays plain without fresh drafts, and drafts all heads once the
-  # probe (a step drafting one head, then one verifying it and drafting one again) brings a
+  # probe (two plain steps drafting one head, the second checking the first's draft) brings a
   # fresh draft (the later positions' rates come from the prior). The call ends after the
   # probe segment (2 of its 16 steps).
   state = eng.generate(params, _controller(state, k_force=jnp.asarray(-1, jnp.int32)), 16)
   assert int(state.record.step) == 6 and int(state.drafts.n_fresh[0]) == 1
-  assert np.asarray(state.record.ring.k_used)[4:6].tolist() == [0, 1]
+  assert np.asarray(state.record.ring.k_used)[4:6].tolist() == [0, 0]
+  assert np.asarray(state.record.ring.verified)[4:6, 0].tolist() == [0, 1]
   state = eng.generate(params, state, 4)
   assert int(state.record.step) == 10
   assert np.asarray(state.record.ring.k_used)[6:10].tolist() == [kd] * 4

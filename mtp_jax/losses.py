@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from mtp_jax import model as model_lib
+from mtp_jax import shapes
 
 
 def head_targets(tokens_BW, num_heads: int, eod_id: int):
@@ -105,23 +106,28 @@ def compute_losses(m: model_lib.MTPModel, tokens_BW, eod_id: int, mode: str,
   return trunk_loss, head_losses
 
 
-def agreement(m: model_lib.MTPModel, tokens_BW, eod_id: int, start: int = 0):
+def agreement(m: model_lib.MTPModel, tokens_BW, eod_id: int, start: int = 0, top_k: int = 0):
   """Per head, top-1 agreement with the trunk's own greedy prediction of the same token
   (teacher-forced acceptance proxy), over positions >= start; and the greedy acceptance length
-  a step at each position would get with k = K (1 + the run of agreeing heads from head 1)."""
+  a step at each position would get with k = K (1 + the run of agreeing heads from head 1).
+  top_k > 0: also (hits [K, top_k], trials [K]): how often each rank of a head's candidates is
+  the trunk's token (shapes.topk_hits), what a token tree is built from."""
   x_BT = tokens_BW[:, :-1]
   b, t = x_BT.shape
   k = m.heads_cfg.num
   h_BTD, _ = m(x_BT, jnp.broadcast_to(jnp.arange(t), (b, t)))
   trunk_pred = jnp.argmax(m.logits(h_BTD), -1)
-  head_pred = jnp.argmax(m.head_logits(h_BTD, tokens_BW), -1)     # [B, T, K]
+  head_logits = m.head_logits(h_BTD, tokens_BW)                    # [B, T, K, V]
+  head_pred = jnp.argmax(head_logits, -1)                          # [B, T, K]
   _, mask = head_targets(tokens_BW, k, eod_id)
   mask = mask * (jnp.arange(t) >= start)[None, :, None]
-  agree = jnp.stack([head_pred[..., i - 1] == shift_along(trunk_pred, i)
-                     for i in range(1, k + 1)], -1).astype(jnp.float32)
+  target_BTK = jnp.stack([shift_along(trunk_pred, i) for i in range(1, k + 1)], -1)
+  agree = (head_pred == target_BTK).astype(jnp.float32)
   per_head = jnp.sum(agree * mask, (0, 1)) / jnp.maximum(jnp.sum(mask, (0, 1)), 1.0)
   # Acceptance length only where every head has a target.
   full = mask[..., k - 1]
   run = jnp.sum(jnp.cumprod(agree, axis=-1), -1)
   accept_len = 1.0 + jnp.sum(run * full) / jnp.maximum(jnp.sum(full), 1.0)
-  return per_head, accept_len
+  if not top_k:
+    return per_head, accept_len
+  return per_head, accept_len, shapes.topk_hits(head_logits, target_BTK, mask > 0, top_k)

@@ -28,6 +28,7 @@ from mtp_jax import data as data_lib
 from mtp_jax import generate as gen_lib
 from mtp_jax import model as model_lib
 from mtp_jax import config as config_lib
+from mtp_jax import shapes
 from mtp_jax import sharding as sharding_lib
 from mtp_jax import train_setup
 from mtp_jax.config import Config
@@ -101,8 +102,9 @@ class Trainer:
     def eval_step(params, tokens_BW, start):
       m = model_lib.bind(gd, params)
       trunk_loss, head_losses = compute_losses(m, tokens_BW, eod, "joint")
-      per_head, accept_len = agreement(m, tokens_BW, eod, start)
-      return trunk_loss, head_losses, per_head, accept_len
+      per_head, accept_len, (hits, trials) = agreement(m, tokens_BW, eod, start,
+                                                      shapes.DEFAULT_TOP_K)
+      return trunk_loss, head_losses, per_head, accept_len, hits, trials
 
     self.eval_step = jax.jit(eval_step, static_argnames=("start",))
 
@@ -127,18 +129,22 @@ class Trainer:
 
   def evaluate(self, params, batches) -> dict:
     """Held-out trunk loss / perplexity, and per-head agreement with the trunk along held-out
-    text (teacher-forced) and along the trunk's own greedy continuation of held-out prompts."""
+    text (teacher-forced) and along the trunk's own greedy continuation of held-out prompts, where
+    also each rank of a head's top candidates is counted (the rates token trees are built from:
+    self.tree_rates, and head{i}_top{R}, how often the trunk's token is among them)."""
     if not batches:
       return {}
     p = self.cfg.train.distill_prompt_len
     sums = {}
     for batch in batches:
-      tl, hl, agree_tf, _ = self.eval_step(params, self.put(batch), 0)
+      tl, hl, agree_tf, *_ = self.eval_step(params, self.put(batch), 0)
       gen = self.distill_batch(params, batch)
-      _, _, agree_gen, accept_len = self.eval_step(params, gen, p - 1)
+      _, _, agree_gen, accept_len, hits, trials = self.eval_step(params, gen, p - 1)
       for name, v in (("trunk_loss", tl), ("head_loss", hl), ("agree_tf", agree_tf),
-                      ("agree_gen", agree_gen), ("accept_len_gen", accept_len)):
+                      ("agree_gen", agree_gen), ("accept_len_gen", accept_len),
+                      ("hits", hits), ("trials", trials)):
         sums[name] = sums.get(name, 0.0) + np.asarray(v, np.float64)
+    self.tree_rates = shapes.rates_from_hits(sums.pop("hits"), sums.pop("trials"))
     out = {k: v / len(batches) for k, v in sums.items()}
     res = {"trunk_loss": float(out["trunk_loss"]), "perplexity": float(math.exp(out["trunk_loss"])),
            "accept_len_gen": float(out["accept_len_gen"])}
@@ -146,6 +152,7 @@ class Trainer:
       res[f"head{i + 1}_loss"] = float(out["head_loss"][i])
       res[f"head{i + 1}_agree_tf"] = float(out["agree_tf"][i])
       res[f"head{i + 1}_agree_gen"] = float(out["agree_gen"][i])
+      res[f"head{i + 1}_top{shapes.DEFAULT_TOP_K}"] = float(sum(self.tree_rates[i]))
     return res
 
 
@@ -302,5 +309,9 @@ def train(cfg: Config, workdir: str, log: Callable[[str], None] = logging.info,
                if cfg.train.init_from else None)
   ckpt_lib.save_model_dir(os.path.join(workdir, "model"), cfg, params, tokenizer,
                           cfg.train.save_dtype, hf_config=hf_config)
+  rates = getattr(trainer, "tree_rates", None)
+  if rates is not None:     # the last evaluation's top-i acceptance: the model's token trees
+    shapes.save_trees(os.path.join(workdir, "model", shapes.TREES_FILE), rates,
+                      {b: shapes.build_tree(rates, b) for b in shapes.DEFAULT_BUDGETS})
   log(f"model directory written to {os.path.join(workdir, 'model')}")
   return final_eval

@@ -11,6 +11,7 @@ import pytest
 
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import model as M
+from mtp_jax import shapes
 from mtp_jax import losses
 from mtp_jax import train_lib
 from tests.conftest import tiny_config
@@ -49,6 +50,24 @@ def test_head_loss_is_not_zero_and_falls(trained_tiny):
   assert last["trunk_loss"] < first["trunk_loss"] - 0.5
   assert result["perplexity"] > 1 and 0 <= result["head1_agree_tf"] <= 1
   assert any(r["kind"] == "eval" for r in recs)
+
+
+def test_training_writes_the_models_token_trees_from_its_evaluation(trained_tiny):
+  """The last evaluation's top-i acceptance per head (the trunk's own continuation of held-out
+  prompts) goes to model/trees.json with a tree per default budget, built from those rates;
+  head{i}_top8 is how often the trunk's token is among head i's top 8."""
+  cfg, workdir, result = trained_tiny
+  rates, trees = shapes.load_trees(os.path.join(workdir, "model", shapes.TREES_FILE))
+  assert len(rates) == cfg.heads.num and all(len(r) == shapes.DEFAULT_TOP_K for r in rates)
+  assert sorted(trees) == list(shapes.DEFAULT_BUDGETS)
+  for b, tree in trees.items():
+    assert tree.choices == shapes.build_tree(rates, b).choices
+  for i in range(cfg.heads.num):
+    assert result[f"head{i + 1}_top8"] == pytest.approx(sum(rates[i]), abs=1e-6)
+    assert result[f"head{i + 1}_top8"] >= rates[i][0] >= 0.0
+  assert sum(rates[0]) > 0.0
+  assert shapes.tree_for(8, cfg.heads.num, os.path.join(workdir, "model")).choices == \
+      trees[8].choices
 
 
 def test_tiny_overfit_drives_head_loss_down():

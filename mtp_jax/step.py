@@ -100,10 +100,8 @@ def step(sc: StepConfig, drafter, m, dm, state: DecodeState, shape: Chain | Tree
   checked = sc.adaptive and k == 0 and sc.kd > 0   # a probe's draft, against plain decoding
   n_rec, k_rec = (_shadow_check(sc, state, out_BT, logp_BTV, k_verify, sample) if checked
                   else (n, k_row))
-  record, reached_BK, hit_BK = _record(sc, state, n_rec, n_emit, out_BT, k_rec, k)
-  if checked:   # the ring and the conditional counts hold the check; drafted / accepted count
-    record = record.replace(drafted=state.record.drafted,   # drafts the trunk verified
-                            accepted=state.record.accepted)
+  record, reached_BK, hit_BK = _record(sc, state, n_rec, n_emit, out_BT, k_rec, k,
+                                       verified_by_trunk=not checked)
   rows = rows.replace(steps=rows.steps + active.astype(jnp.int32),
                       emitted=rows.emitted + n_emit)
   if sc.adaptive:
@@ -216,16 +214,20 @@ def _draft_next(sc, drafter, m, dm, inp: DraftInput, old: Drafts, nd: int, sampl
   return drafts, dcache, seq_h
 
 
-def _record(sc, state, n, n_emit, out_BT, k_row, k: int):
+def _record(sc, state, n, n_emit, out_BT, k_row, k: int, verified_by_trunk: bool = True):
   """The step's ring entry and the run's per-position counters. -> (Record, per row and draft
-  position: reached [B, Kd], accepted there [B, Kd])."""
+  position: reached [B, Kd], accepted there [B, Kd]). A probe's check (not verified_by_trunk)
+  goes to the ring and the conditional counts, not to drafted / accepted (drafts the trunk
+  verified)."""
   rec, rows = state.record, state.rows
   active = ~rows.done
   n_active = jnp.sum(active.astype(jnp.int32))
   verified = jnp.where(active, k_row, 0)
   pos_k = jnp.arange(sc.kd)[None]
-  drafted = rec.drafted + jnp.sum((pos_k < verified[:, None]).astype(jnp.int32), 0)
-  accepted = rec.accepted + jnp.sum((active[:, None] & (n[:, None] > pos_k)).astype(jnp.int32), 0)
+  drafted, accepted = rec.drafted, rec.accepted
+  if verified_by_trunk:
+    drafted = drafted + jnp.sum((pos_k < verified[:, None]).astype(jnp.int32), 0)
+    accepted = accepted + jnp.sum((active[:, None] & (n[:, None] > pos_k)).astype(jnp.int32), 0)
   # Reached: verified there, every draft before it accepted (the conditional counts).
   reached = (pos_k < verified[:, None]) & (n[:, None] >= pos_k)              # [B, Kd]
   hit = reached & (n[:, None] > pos_k)

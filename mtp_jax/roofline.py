@@ -1,8 +1,8 @@
 """The machine's roofs and a decode step's place under them.
 
 Roofline: the machine's memory bandwidth (a matrix-vector product streaming a 512 MiB matrix, well
-beyond the last-level cache: the access pattern of decoding) and matmul throughput are measured in
-the same run. Per decode step the bytes
+beyond the last-level cache: the access pattern of decoding; on an accelerator larger probes in
+bf16, measure_roofs) and matmul throughput are measured in the same run. Per decode step the bytes
 moved are the parameters plus the KV cache positions attention reads (dense: all max_len of
 them; blocked: the blocks up to the longest row, averaged over the run: `kv_read_positions`), in
 the cache's storage dtype (int8 adds an f32 scale per position and kv head), and the
@@ -53,6 +53,20 @@ def measure_matmul(n: int = 2048, dtype=jnp.float32) -> float:
   return 2 * n**3 / _median_time(f, a)
 
 
+def measure_roofs(platform: str) -> tuple[float, float]:
+  """-> (read bandwidth bytes/s, matmul FLOP/s) in the regime a decode step runs in. A CPU
+  computes in f32 (measure_bandwidth's matrix-vector product, a 2048^3 matmul). An accelerator
+  computes in bf16 and needs work far larger than a CPU's to reach its roofs (on an H200 the CPU's
+  probes read 1.2-1.9 TB/s and 31-75 TFLOP/s, well under its ~4.3 TB/s and bf16 rate): a
+  streaming sum over 4 GiB, and an 8192^3 bf16 matmul; the better of the two bandwidth probes."""
+  if platform == "cpu":
+    return measure_bandwidth(), measure_matmul()
+  x = jnp.ones((2**30,), jnp.float32)                     # 4 GiB
+  stream = x.nbytes / _median_time(jax.jit(jnp.sum), x)
+  del x
+  return max(stream, measure_bandwidth(2048)), measure_matmul(8192, jnp.bfloat16)
+
+
 def last_level_cache_bytes() -> int | None:
   """The CPU's last-level cache size (Linux sysfs), or None."""
   best = (0, None)
@@ -78,8 +92,9 @@ def machine_info(roofline: bool = True) -> dict:
   if dev.platform == "cpu":
     info["last_level_cache_bytes"] = last_level_cache_bytes()
   if roofline:
-    info["memory_bandwidth_gb_s"] = round(measure_bandwidth() / 1e9, 2)
-    info["matmul_gflop_s"] = round(measure_matmul() / 1e9, 2)
+    bw, flops = measure_roofs(dev.platform)
+    info["memory_bandwidth_gb_s"] = round(bw / 1e9, 2)
+    info["matmul_gflop_s"] = round(flops / 1e9, 2)
   return info
 
 

@@ -132,7 +132,9 @@ def rates_key(engine, fingerprint: str, sampled: bool) -> str:
   """Key of a model's measured acceptance per draft position in the tables file: the weights,
   the drafter and K_max, greedy or sampled (rejection sampling accepts less), but not the
   device or the slot count (acceptance is the model's and the text's, not the machine's)."""
-  return (f"acceptance|weights={fingerprint}|drafter={engine.drafter}|k_max={engine.kd}"
+  # v2: from probes and drafting steps only (a plain step's check of the prefill's draft made
+  # v1's entries of plainly decoded jobs far too low: step.py)
+  return (f"acceptance-v2|weights={fingerprint}|drafter={engine.drafter}|k_max={engine.kd}"
           f"|{'sampled' if sampled else 'greedy'}")
 
 

@@ -274,8 +274,8 @@ def test_k_changes_between_steps_without_recompiles_and_output_is_unchanged(trai
 
 @pytest.mark.slow
 def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(trained_tiny):
-  """A probe ends a plain segment: its last two steps draft one head, and the last one checks
-  the draft before it against the token it chose (real acceptance for the window, even where
+  """A probe ends a plain segment: its last three steps draft one head, and the last two check
+  the draft before them against the token they chose (real acceptance for the window, even where
   the controller began plain; a plain step, nothing more is committed). While probes lead to no
   drafting the gap
   between them doubles (up to probe_every_max; the count carries across generate calls, here
@@ -306,11 +306,11 @@ def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(
       chose = int(state.record.ring.tokens[step % 16, 0, 0])
       assert int(state.record.ring.accepted[step % 16, 0]) == (chose == draft)
   # Segments of 3 steps; probes after 2, then 4, then 4 (the cap) plain segments, each
-  # drafting at its last two steps; a plain step checks the fresh draft it holds: the prefill's
-  # (step 0), the probe's second-to-last step's (at its last) and its last step's (the next).
+  # drafting at its last three steps, the last two checking the draft before them; no other
+  # plain step checks (the prefill's draft at step 0, the probe's last one at the next step).
   probes = [5, 17, 29, 41]
-  assert verifying == [0, 5, 6, 17, 18, 29, 30, 41], verifying
-  assert drafting == [s + d for s in probes for d in (-1, 0)], drafting
+  assert verifying == [s + d for s in probes for d in (-1, 0)], verifying
+  assert drafting == [s + d for s in probes for d in (-2, -1, 0)], drafting
   assert int(state.controller.probe_gap) == 4
   # A call through the next probe (steps 51-53): plain up to it, the probe segment, then plain
   # decoding again in the same call, to the call's 15 steps.
@@ -318,7 +318,7 @@ def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(
   assert int(state.record.step) == 57 and int(state.drafts.n_fresh[0]) == 0
   assert int(state.controller.plain_segs) == 1
   verified = np.asarray(state.record.ring.verified[:, 0])
-  assert verified[np.arange(42, 57) % 16].tolist() == [1] + [0] * 10 + [1, 1] + [0] * 2
+  assert verified[np.arange(42, 57) % 16].tolist() == [0] * 10 + [1, 1] + [0] * 3
   # Drafting made to pay even at the tiny heads' low acceptance: the next segment drafts, and
   # the gap is the acceptance window's 6 steps (2 segments): probes before that would see the
   # same rates.
@@ -344,11 +344,12 @@ def test_segments_of_all_heads_run_in_the_calls_top_level_loop(trained_tiny):
   # Two forced plain segments: no drafts made, and the next plain segment is a probe.
   state = eng.generate(params, _controller(state, k_force=jnp.asarray(0, jnp.int32)), 4)
   assert int(state.drafts.n_fresh[0]) == 0
-  # Equal costs: the controller stays plain without fresh drafts, and drafts all heads once the
-  # probe (two plain steps drafting one head, the second checking the first's draft) brings a
-  # fresh draft (the later positions' rates come from the prior). The call ends after the
-  # probe segment (2 of its 16 steps).
-  state = eng.generate(params, _controller(state, k_force=jnp.asarray(-1, jnp.int32)), 16)
+  # Equal costs and a prior of sure drafts: the controller stays plain without fresh drafts, and
+  # drafts all heads once the probe (two plain steps drafting one head, the second checking the
+  # first's draft) brings a fresh draft. The call ends after the probe segment (2 of its 16
+  # steps).
+  state = eng.generate(params, _controller(state, k_force=jnp.asarray(-1, jnp.int32),
+                                           prior_rate=jnp.full((kd,), 0.99)), 16)
   assert int(state.record.step) == 6 and int(state.drafts.n_fresh[0]) == 1
   assert np.asarray(state.record.ring.k_used)[4:6].tolist() == [0, 0]
   assert np.asarray(state.record.ring.verified)[4:6, 0].tolist() == [0, 1]

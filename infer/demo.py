@@ -1,6 +1,6 @@
 """`make demo`: what speculative decoding with the model's MTP heads buys, measured side by side.
 
-  python -m infer.demo [--model=pretrained/demo] [--k=3] [--repeats=5] [--batch_size=16]
+  python -m infer.demo [--model=pretrained/demo] [--k=3] [--repeats=11] [--batch_size=16]
 
 1. One stream (one slot: a person waiting for a completion): the prompts of --prompts (openings
    of standard-library functions the demo model's data split held out) decoded greedily with k
@@ -31,7 +31,7 @@ _BATCH_PROMPTS = flags.DEFINE_string("batch_prompts", "infer/demo_batch.jsonl",
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 192, "Tokens per single-stream completion.")
 _BATCH_MAX_NEW = flags.DEFINE_integer("batch_max_new_tokens", 96, "Tokens per batch-job row.")
 _K = flags.DEFINE_integer("k", 3, "Drafts per step of the single-stream speculative decoder.")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed single-stream runs of each decoder.")
+_REPEATS = flags.DEFINE_integer("repeats", 11, "Timed single-stream runs of each decoder.")
 _BATCH = flags.DEFINE_integer("batch_size", 16, "Slots of the batch job.")
 _BATCH_REPEATS = flags.DEFINE_integer("batch_repeats", 3, "Timed batch jobs of each decoder.")
 _OUT = flags.DEFINE_string("out", "out", "Directory for the batch jobs' outputs.")

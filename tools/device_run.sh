@@ -9,12 +9,16 @@
 #
 #   tools/device_run.sh            on a GPU machine (python3 with jax[cuda], flax, optax, orbax,
 #                                  tokenizers, matplotlib; no network): see docs/accelerators.md
-#   tools/device_run.sh --smoke    the same stages with a tiny model on this CPU (~3-4 minutes)
+#   tools/device_run.sh --smoke    the same stages with a tiny model on this CPU (~2-3 minutes)
 #
 # Sizing (one 600 s call of the device tool, the machine's start not counted): every stage runs
 # under its own `timeout`, so a slow stage is cut and the next still runs, and the stages' limits
-# add up to 520 s, leaving 80 s of margin:
-#   install 20 s | tests 100 s | bench 270 s | train 90 s | distill 40 s.
+# add up to 565 s, leaving 35 s of margin:
+#   install 20 s | tests 100 s | bench 270 s | graphs 75 s | train 60 s | distill 40 s.
+# graphs: batch 1 again with XLA's command buffers (CUDA graphs) taking in the decode loop's
+# `while` and `conditional` (XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL): on
+# the H200 a plain batch-1 step took 0.83 ms where its weights take ~0.2 ms to read, the host
+# launching each iteration's kernels (docs/accelerators.md).
 # The bench model: `widen:8:pretrained/demo`, the demo widened 8x by a function-preserving
 # expansion (mtp_jax/widen.py): d_model 2048, d_ff 5120, 64 heads / 16 kv heads, vocab 4096, its
 # 3 heads: ~250M parameters. It decodes the demo's tokens, so its acceptance is the demo's real
@@ -71,7 +75,7 @@ if [[ $SMOKE == 1 ]]; then
   # Fewer compiles: XLA:CPU takes 10-50 s per engine here, adaptive's calibration 1-2 minutes.
   MODES="${MODES:-vanilla,mtp:2,tree:4}"
   BENCH_FLAGS=(--max_new_tokens=16 --prompt_tokens=16 --repeats=1 --warmup=0 --roofline=false)
-  LIMITS=(60 90 300 120 120)
+  LIMITS=(60 90 300 120 120 120)
 else
   PY="${PY:-python3}"
   CONFIG=configs/demo.py
@@ -92,7 +96,7 @@ else
   BENCH_MODEL="${BENCH_MODEL:-widen:8:$REPO/pretrained/demo}"
   BATCHES="${BATCHES:-1,64,8,256}"
   BENCH_FLAGS=(--max_new_tokens=128 --prompt_tokens=64 --repeats=5)
-  LIMITS=(20 100 270 90 40)
+  LIMITS=(20 100 270 60 40 75)
 fi
 
 say "out=$OUT work=$WORK smoke=$SMOKE python=$PY"
@@ -149,6 +153,15 @@ if results:
                           f"tools/device_run.sh: mtp-bench --model={model} --modes={modes}")
 print(f"merged {len(results)} bench rows into {out}")
 EOF
+
+# 3b. Batch 1 with the decode loop in CUDA graphs (XLA command buffers), where the loop's
+# kernels are launched from the host otherwise: its own process and table (graphs.md).
+if (( LIMITS[5] > 0 )); then
+  XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
+    stage graphs "${LIMITS[5]}" $PY -m infer.bench --model="$BENCH_MODEL" \
+    --modes=vanilla,mtp:3,tree:16 --batch_sizes=1 --out="$WORK/graphs" --roofline=false "${BENCH_FLAGS[@]}"
+  cp "$WORK/graphs/results.md" "$OUT/graphs.md" 2>/dev/null
+fi
 
 # 4. Peak device memory of the bench's runs (the CPU client reports none: null there).
 $PY - "$OUT" <<'EOF'

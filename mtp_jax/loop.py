@@ -6,9 +6,9 @@ where one is). A drafting step drafts its own k and the first draft's confidence
 controller reads); where the controller raises k, the first step of the larger k verifies the
 drafts there are (n_fresh), and the controller estimates the positions past a row's fresh
 drafts from the rates and the prior (Engine.controller_limit). A plain segment drafts nothing,
-except a probe segment: its last three steps draft one head each, and the last two check the
-draft before them against the token they chose (step._shadow_check: what a step of one draft
-would have accepted, nothing committed; other plain steps check nothing: step.py), so that the controller sees real acceptance in the window and
+except a probe segment: its last two steps draft one head each, and a plain step holding a fresh
+draft checks it against the token it chose (step._shadow_check: what a step of one draft would
+have accepted, nothing committed), so that the controller sees real acceptance in the window and
 fresh confidences when acceptance may have recovered, at the cost of the heads' work alone.
 (Confidences alone keep a controller that began plain there: the heads' peak probability
 understates how often their drafts are accepted, and nothing else would ever be verified.) Probes
@@ -24,7 +24,7 @@ An adaptive call runs top-level loops, in order, each step a fixed-k engine's ow
    its k (checked by a lax.cond where a segment ends);
 2. plain segments up to the start of the next probe segment: with no fresh drafts the controller
    can only choose 0 again;
-3. the probe loop: probe segments (plain steps, the last three drafting one head), while the
+3. the probe loop: probe segments (plain steps, the last two drafting one head), while the
    controller keeps to plain decoding; it stops where a drafting
    segment or a plain run would begin;
 4. that plain run, as in 2.
@@ -166,7 +166,7 @@ class Loop:
     probe = ((k == 0) & (c.plain_segs + 1 >= c.probe_gap) & (c.k_force < 0)
              & self.eng.worth_probing(st, self.ks))
     n_run = every - phase                      # steps to the end of the segment
-    j, i, st = self.steps(self.zero, i, st, 0, 0, lambda j: probe & (j < n_run - 3),
+    j, i, st = self.steps(self.zero, i, st, 0, 0, lambda j: probe & (j < n_run - 2),
                           want_conf=False)
     j, i, st = self.steps(j, i, st, 0, 1, lambda j: probe & (j < n_run), want_conf=True)
     ended = (phase + j) // every               # segments completed

@@ -52,7 +52,7 @@ def step(sc: StepConfig, drafter, m, dm, state: DecodeState, shape: Chain | Tree
   """One step verifying `shape` (static), then drafting n_draft (default Kd) for the next one.
 
   The adaptive loop drafts only what the next step of the same k may verify (none in a plain
-  segment, so that choosing k = 0 costs what plain decoding costs; one head in the last three
+  segment, so that choosing k = 0 costs what plain decoding costs; one head in the last two
   steps of a probe segment); the drafts not made keep their old values with zero confidence and
   are not fresh. want_conf: the controller reads this step's draft confidences
   (DraftSpec.conf_cols). m, dm: the bound target and draft models (dm None but for a draft model).
@@ -97,20 +97,14 @@ def step(sc: StepConfig, drafter, m, dm, state: DecodeState, shape: Chain | Tree
   drafts, dcache, seq_h = _draft_next(sc, drafter, m, dm, inp, state.drafts, nd, sample,
                                       want_conf)
   # 6. record
-  # The adaptive loop's plain steps: a probe's (they draft the first head) check its draft
-  # against plain decoding; the others count nothing. A plain step right after a row's insertion
-  # holds the prefill's draft of the token after the prompt's first, harder to guess than text
-  # further on: a job decoding plainly that counted those alone measured 0.29 for drafts that
-  # probes further on accept 0.7 of the time, and stored it as the next process's prior.
-  checked = sc.adaptive and k == 0 and nd > 0
-  counted = not (sc.adaptive and k == 0 and nd == 0)
+  checked = sc.adaptive and k == 0 and sc.kd > 0   # a probe's draft, against plain decoding
   n_rec, k_rec = (_shadow_check(sc, state, out_BT, logp_BTV, k_verify, sample) if checked
                   else (n, k_row))
   record, reached_BK, hit_BK = _record(sc, state, n_rec, n_emit, out_BT, k_rec, k,
-                                       verified_by_trunk=not checked, counts=counted)
+                                       verified_by_trunk=not checked)
   rows = rows.replace(steps=rows.steps + active.astype(jnp.int32),
                       emitted=rows.emitted + n_emit)
-  if sc.adaptive and counted:
+  if sc.adaptive:
     rows = rows.replace(cond_trials=rows.cond_trials + reached_BK.astype(jnp.int32),
                         cond_hits=rows.cond_hits + hit_BK.astype(jnp.int32))
   return DecodeState(rows=rows, drafts=drafts,
@@ -143,9 +137,12 @@ def _shadow_check(sc, state, out_BT, logp_BTV, key, sample: bool):
   it as a step of one draft would have verified it, and commits nothing of it: accepted where it
   equals the token plain decoding chose (greedy), or with probability min(1, p/q) at it
   (sampling: a coin of its own, apart from the token's). So a probe costs the heads' work alone:
-  no step of two tokens, and rows that accept stay in step with rows that do not.
+  no step of two tokens, and rows that accept stay in step with rows that do not. A row's first
+  step checks nothing: its draft is the prefill's, of the token after the prompt's first new one,
+  far harder to guess than text further on (a job decoding plainly that counted those alone
+  measured 0.29 where probes measure ~0.65, and stored it as the next process's prior).
   -> (accepted [B], verified [B]) for the record."""
-  fresh = (row_limit(sc, state.drafts) > 0) & ~state.rows.done
+  fresh = (row_limit(sc, state.drafts) > 0) & ~state.rows.done & (state.rows.steps > 0)
   d_B = state.drafts.tokens[:, 0]
   if not sample:
     hit = d_B == out_BT[:, 0]
@@ -220,20 +217,15 @@ def _draft_next(sc, drafter, m, dm, inp: DraftInput, old: Drafts, nd: int, sampl
   return drafts, dcache, seq_h
 
 
-def _record(sc, state, n, n_emit, out_BT, k_row, k: int, verified_by_trunk: bool = True,
-            counts: bool = True):
+def _record(sc, state, n, n_emit, out_BT, k_row, k: int, verified_by_trunk: bool = True):
   """The step's ring entry and the run's per-position counters. -> (Record, per row and draft
   position: reached [B, Kd], accepted there [B, Kd]). A probe's check (not verified_by_trunk)
   goes to the ring and the conditional counts, not to drafted / accepted (drafts the trunk
-  verified). counts=False: the ring entry alone, with nothing verified (reached, accepted None)."""
+  verified)."""
   rec, rows = state.record, state.rows
   active = ~rows.done
   n_active = jnp.sum(active.astype(jnp.int32))
   verified = jnp.where(active, k_row, 0)
-  if not counts:
-    ring = ring_lib.record(rec.ring, rec.step, out_BT, n_emit, verified, jnp.where(active, n, 0),
-                           k, n_active)
-    return rec.replace(ring=ring, step=rec.step + 1), None, None
   pos_k = jnp.arange(sc.kd)[None]
   drafted, accepted = rec.drafted, rec.accepted
   if verified_by_trunk:

@@ -274,8 +274,8 @@ def test_k_changes_between_steps_without_recompiles_and_output_is_unchanged(trai
 
 @pytest.mark.slow
 def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(trained_tiny):
-  """A probe ends a plain segment: its last three steps draft one head, and the last two check
-  the draft before them against the token they chose (real acceptance for the window, even where
+  """A probe ends a plain segment: its last two steps draft one head, and the last one checks
+  the draft before it against the token it chose (real acceptance for the window, even where
   the controller began plain; a plain step, nothing more is committed). While probes lead to no
   drafting the gap
   between them doubles (up to probe_every_max; the count carries across generate calls, here
@@ -306,11 +306,12 @@ def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(
       chose = int(state.record.ring.tokens[step % 16, 0, 0])
       assert int(state.record.ring.accepted[step % 16, 0]) == (chose == draft)
   # Segments of 3 steps; probes after 2, then 4, then 4 (the cap) plain segments, each
-  # drafting at its last three steps, the last two checking the draft before them; no other
-  # plain step checks (the prefill's draft at step 0, the probe's last one at the next step).
+  # drafting at its last two steps; a plain step checks the fresh draft it holds: the probe's
+  # second-to-last step's (at its last) and its last step's (the next), but not the prefill's
+  # (step 0: a row's first step checks nothing).
   probes = [5, 17, 29, 41]
-  assert verifying == [s + d for s in probes for d in (-1, 0)], verifying
-  assert drafting == [s + d for s in probes for d in (-2, -1, 0)], drafting
+  assert verifying == [5, 6, 17, 18, 29, 30, 41], verifying
+  assert drafting == [s + d for s in probes for d in (-1, 0)], drafting
   assert int(state.controller.probe_gap) == 4
   # A call through the next probe (steps 51-53): plain up to it, the probe segment, then plain
   # decoding again in the same call, to the call's 15 steps.
@@ -318,7 +319,7 @@ def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(
   assert int(state.record.step) == 57 and int(state.drafts.n_fresh[0]) == 0
   assert int(state.controller.plain_segs) == 1
   verified = np.asarray(state.record.ring.verified[:, 0])
-  assert verified[np.arange(42, 57) % 16].tolist() == [0] * 10 + [1, 1] + [0] * 3
+  assert verified[np.arange(42, 57) % 16].tolist() == [1] + [0] * 10 + [1, 1] + [0] * 2
   # Drafting made to pay even at the tiny heads' low acceptance: the next segment drafts, and
   # the gap is the acceptance window's 6 steps (2 segments): probes before that would see the
   # same rates.

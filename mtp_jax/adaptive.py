@@ -25,6 +25,9 @@ plain decoding's token now and then to keep the window's counts current; a probe
 where some k would beat plain decoding at each rate one standard error *above* its estimate
 (worth_probing): where even that cannot pay, a probe costs the heads' work and changes nothing.
 
+With trees among the candidates (shape_set.py) the same rule picks a shape: k indexes chains
+0..Kd, then trees, each with its cost table entry and its E[emitted] from the same rates.
+
 Once no request waits for a slot (Controller.closed, set by the host), the job ends with its
 slowest row: the controller then minimises the expected end of the last row (choose_k_to_finish),
 each row's rate from its own counts since its insertion (Rows.cond_hits / cond_trials), shrunk
@@ -40,6 +43,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from mtp_jax import ring as ring_lib
+from mtp_jax.shape_set import ShapeSet, row_expected
 
 PRIOR_TRIALS = 16.0   # trials after which the window's rate outweighs the prior
 
@@ -71,13 +75,15 @@ def init_controller(kd: int, cost, probe_every: int) -> Controller:
       seg_k=jnp.zeros((), jnp.int32), prior_rate=jnp.full((kd,), -1.0, jnp.float32))
 
 
-def choose(state, limit_B, allowed_K1, window: int, margin: float):
-  """The controller's k for the next segment, on the device, from the decode state (its ring,
-  rows, drafts' confidences and the controller's own state); a forced k (k_force) becomes the
-  largest allowed k not above it. limit_B: per row, the drafts it may be expected to verify
-  (none without a fresh draft)."""
+def choose(state, limit_B, allowed_S, window: int, margin: float, ss: ShapeSet | None = None):
+  """The controller's shape for the next segment (an index of ss: k <= Kd a chain of k drafts,
+  past it a tree), on the device, from the decode state (its ring, rows, drafts' confidences and
+  the controller's own state); a forced index (k_force) becomes the largest allowed one not
+  above it. limit_B: per row, the drafts it may be expected to verify (none without a fresh
+  draft)."""
   c, rows = state.controller, state.rows
   kd = state.drafts.conf.shape[1]
+  ss = ShapeSet(kd) if ss is None else ss
   rate_K, trials_K = window_rates(state.record.ring, state.record.step, window, kd)
   pooled_BK = blend(rate_K, trials_K, state.drafts.conf, c.prior_rate)
   cut = jnp.arange(kd)[None] < limit_B[:, None]
@@ -91,12 +97,14 @@ def choose(state, limit_B, allowed_K1, window: int, margin: float):
   own_BK = (hits_BK + m_K * pooled_BK) / (trials_BK + m_K)
   own_BK = finish_alpha(own_BK, trials_BK + m_K, rows.remaining, ~rows.done)
   own_BK = jnp.where(cut, own_BK, 0.0)
+  active = ~rows.done
+  expected_S = jnp.sum(jnp.where(active[:, None], ss.expected(alpha_BK, cut), 0.0), 0)
   k = jnp.where(c.closed,
-                choose_k_to_finish(c.cost, own_BK, ~rows.done, rows.remaining, margin,
-                                   allowed_K1),
-                choose_k(c.cost, expected_emitted(alpha_BK, ~rows.done), margin, allowed_K1))
-  forced = jnp.max(jnp.where(allowed_K1 & (jnp.arange(kd + 1) <= c.k_force),
-                             jnp.arange(kd + 1), 0))
+                choose_k_to_finish(c.cost, own_BK, active, rows.remaining, margin, allowed_S,
+                                   ss.expected(own_BK, cut)),
+                choose_k(c.cost, expected_S, margin, allowed_S))
+  index = jnp.arange(ss.size)
+  forced = jnp.max(jnp.where(allowed_S & (index <= c.k_force), index, 0))
   return jnp.where(c.k_force >= 0, forced, k).astype(jnp.int32)
 
 
@@ -141,7 +149,7 @@ def blend(rate_K, trials_K, conf_BK, prior_K):
   return jnp.stack(cols, 1)
 
 
-def worth_probing(state, allowed_K1, window: int, margin: float):
+def worth_probing(state, allowed_S, window: int, margin: float, ss: ShapeSet | None = None):
   """-> [] bool: whether a probe could lead to drafting: some allowed k > 0 beats plain decoding
   by the margin at each rate one standard error above its estimate (the window's pooled counts
   blended with the prior; an unknown prior is 1 at the first position, the position before's
@@ -150,6 +158,7 @@ def worth_probing(state, allowed_K1, window: int, margin: float):
   draft must be accepted over 80% of the time to pay)."""
   c = state.controller
   kd = c.prior_rate.shape[0]
+  ss = ShapeSet(kd) if ss is None else ss
   rate_K, trials_K = window_rates(state.record.ring, state.record.step, window, kd)
   n_K = trials_K + PRIOR_TRIALS
   cols, prev = [], jnp.asarray(1.0)
@@ -157,7 +166,7 @@ def worth_probing(state, allowed_K1, window: int, margin: float):
     prior = jnp.where(c.prior_rate[i] >= 0, c.prior_rate[i], prev)
     prev = (trials_K[i] * rate_K[i] + PRIOR_TRIALS * prior) / n_K[i]
     cols.append(jnp.clip(prev + jnp.sqrt(prev * (1.0 - prev) / n_K[i]), 0.0, 1.0))
-  return choose_k(c.cost, row_expected(jnp.stack(cols)), margin, allowed_K1) > 0
+  return choose_k(c.cost, ss.expected(jnp.stack(cols)), margin, allowed_S) > 0
 
 
 def lower(alpha, n):
@@ -193,12 +202,6 @@ def window_rates(ring: ring_lib.Ring, step, window: int, k_max: int):
   return jnp.sum(hits_BK, 0) / jnp.maximum(n_trials, 1.0), n_trials
 
 
-def row_expected(alpha_BK):
-  """-> [B, K+1]: per row, E[emitted tokens | k drafts], k = 0..K (leading axes: any)."""
-  run = jnp.cumprod(alpha_BK, axis=-1)                                     # P(first j accepted)
-  return 1.0 + jnp.concatenate([jnp.zeros_like(run[..., :1]), jnp.cumsum(run, axis=-1)], axis=-1)
-
-
 def expected_emitted(alpha_BK, active_B):
   """-> [K+1]: sum over active rows of E[emitted tokens | k drafts], k = 0..K."""
   return jnp.sum(jnp.where(active_B[:, None], row_expected(alpha_BK), 0.0), axis=0)
@@ -229,13 +232,15 @@ def finish_alpha(alpha_BK, n_BK, remaining_B, active_B):
 
 
 def choose_k_to_finish(cost_K1, alpha_BK, active_B, remaining_B, margin: float = 0.0,
-                       allowed_K1=None):
+                       allowed_K1=None, expected_BK1=None):
   """When no request waits, only the end of the job counts: the k that minimises max over
   active rows of remaining_i / E_i[emitted | k] x c(k) (a row that finishes early frees a slot
   nobody takes, while every step costs c(k) for all slots). Ties go to the smaller k; k > 0
-  only when expected to finish sooner than plain decoding by more than `margin`."""
+  only when expected to finish sooner than plain decoding by more than `margin`.
+  expected_BK1: E_i[emitted] per shape (ShapeSet.expected; default the chains' at alpha)."""
   rem = jnp.asarray(remaining_B, jnp.float32)[:, None]
-  t = jnp.where(active_B[:, None], rem / row_expected(alpha_BK) * cost_K1[None], 0.0)
+  e = row_expected(alpha_BK) if expected_BK1 is None else expected_BK1
+  t = jnp.where(active_B[:, None], rem / e * cost_K1[None], 0.0)
   t = jnp.max(t, axis=0)
   if allowed_K1 is not None:
     t = jnp.where(allowed_K1, t, jnp.inf)

@@ -26,6 +26,7 @@ from mtp_jax import config as config_lib
 from mtp_jax import engine as engine_lib
 from mtp_jax import refill as refill_lib
 from mtp_jax import ring as ring_lib
+from mtp_jax import shape_set
 from mtp_jax import shapes
 from mtp_jax import sharding as sharding_lib
 from mtp_jax import state as state_lib
@@ -85,8 +86,8 @@ class Decoder:
   def load(cls, model_dir: str, batch_size: int = 8, k: int | str = -1, max_len: int = 0,
            ring_size: int = 32, seed: int = 0, draft_dir: str | None = None,
            mesh: str | None = None, **decode_options) -> "Decoder":
-    """k: drafts per step (-1 all heads, 0 plain decoding), 'auto' (adaptive, up to all
-    heads) or 'tree:T': every step verifies a token tree of T nodes from the parallel heads'
+    """k: drafts per step (-1 all heads, 0 plain decoding), 'auto' (adaptive: chains up to all
+    heads and, with parallel heads, the model's trees: shape_set.auto_options) or 'tree:T': every step verifies a token tree of T nodes from the parallel heads'
     top candidates (model_dir/trees.json's tree for T, else one built from the rates stored
     there, else the default: shapes.tree_for). draft_dir: a draft model directory (drafts come
     from it instead of the heads).
@@ -102,6 +103,9 @@ class Decoder:
       draft = (dm, dh, dp)
       decode_options["drafter"] = "model"
     adaptive = k == "auto"
+    if adaptive:
+      decode_options = {**shape_set.auto_options(hcfg, model_dir, decode_options),
+                        **decode_options}
     budget = shapes.tree_budget(k)
     if budget is not None:
       decode_options["tree"] = shapes.tree_for(budget, hcfg.num, model_dir).choices

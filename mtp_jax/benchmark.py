@@ -41,6 +41,7 @@ from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import data as data_lib
 from mtp_jax import engine as engine_lib
 from mtp_jax import model as model_lib
+from mtp_jax import shape_set
 from mtp_jax import shapes
 from mtp_jax import sharding as sharding_lib
 from mtp_jax import widen as widen_lib
@@ -65,13 +66,18 @@ def parse_mode(mode: str) -> tuple[str, int | str]:
                    "draft:K, ngram:K or tree:T with K, T >= 1)")
 
 
+def _model_dir(model: str) -> str | None:
+  """The model directory a --model spec reads trees.json from (none for config:NAME)."""
+  model_dir = model.split(":", 2)[-1] if model.startswith("widen:") else model
+  return model_dir if os.path.isdir(model_dir) else None
+
+
 def _tree(k, num_heads: int, model: str):
   """A 'tree:T' mode's tree (k from parse_mode; the model directory's, else the default)."""
   budget = shapes.tree_budget(k)
   if budget is None:
     return None
-  model_dir = model.split(":", 2)[-1] if model.startswith("widen:") else model
-  return shapes.tree_for(budget, num_heads, model_dir if os.path.isdir(model_dir) else None)
+  return shapes.tree_for(budget, num_heads, _model_dir(model))
 
 
 # ----------------------------------------------------------------------------- models
@@ -169,13 +175,16 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
     for label, (mode, attention, kv_dtype) in variants.items():
       drafter, k = parse_mode(mode)
       tree = _tree(k, hcfg.num, model)
-      span = hcfg.num if k == "auto" else k if tree is None else tree.size   # a step's inputs
+      auto = (shape_set.auto_options(hcfg, _model_dir(model), {"drafter": drafter})
+              if k == "auto" else {})
+      span = max([hcfg.num if k == "auto" else k if tree is None else tree.size]
+                 + [len(t) for t in auto.get("adaptive_trees", ())])      # a step's inputs
       # By default the cache holds what a row can reach; --max_len sets a serving-sized one.
       cache_len = max_len or min(mcfg.max_seq_len, longest + max_new_tokens + span + 2)
       dcfg = DecodeConfig(batch_size=b, k=-1 if k == "auto" or tree is not None else k,
                           ring_size=32, adaptive=k == "auto", max_len=cache_len,
                           drafter=drafter, attention=attention, kv_dtype=kv_dtype,
-                          tree=() if tree is None else tree.choices)
+                          tree=() if tree is None else tree.choices, **auto)
       dec = api.Decoder(mcfg, hcfg, params, tok, dcfg,
                         draft=draft if drafter == "model" else None, mesh=device_mesh)
       if device_mesh is not None and b == batch_sizes[0]:

@@ -255,6 +255,10 @@ class DecodeConfig:
                                     # bfloat16 | int8 | float8_e4m3fn (scale per position, head)
   tree: tuple = ()                  # a token tree (shapes.Tree choices, from shapes.tree_for):
                                     # each step verifies it instead of a chain; () = a chain
+  adaptive_trees: tuple = ()        # adaptive: token trees (Tree choices) the controller may
+                                    # choose besides the chains (parallel heads only)
+  tree_rates: tuple = ()            # adaptive_trees: per head, the measured P(rank i is right)
+                                    # (trees.json's rates; shapes.prior_rates if unknown)
 
   def __post_init__(self):
     _positive(self, "batch_size", "ring_size", "min_bucket", "accept_window", "probe_every",
@@ -292,6 +296,9 @@ class DecodeConfig:
       from mtp_jax import shapes  # a tree's checks live with the shapes
       tree = shapes.decode_tree(self, heads)
       k, span = tree.max_depth, tree.size
+    if self.adaptive_trees:
+      from mtp_jax import shape_set as shapes_set  # the checks live with the shape set
+      span = max(k, *(t.size for t in shapes_set.trees_of(self, heads, k)))
     reuse = self.reuse_module or (heads.kind == "sequential" and heads.num == 1 and k > 1
                                   and self.drafter == "heads")   # one module: the only way
     if self.reuse_module and (heads.kind != "sequential" or self.drafter != "heads"):
@@ -301,7 +308,7 @@ class DecodeConfig:
       _fail("decode.k", self.k, f"must be <= heads.num={heads.num}"
             + (" (or set decode.reuse_module)" if heads.kind == "sequential" else ""))
     if max_len <= span + 1:
-      _fail("decode.max_len", max_len, f"must be > {'tree nodes' if self.tree else 'k'} + 1 = "
+      _fail("decode.max_len", max_len, f"must be > {'tree nodes' if span > k else 'k'} + 1 = "
             f"{span + 1}")
     return dataclasses.replace(self, max_len=max_len, k=k, reuse_module=reuse,
                                prefill_rows=min(self.prefill_rows, self.batch_size))

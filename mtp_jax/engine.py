@@ -27,6 +27,7 @@ from mtp_jax import loop as loop_lib
 from mtp_jax import model as model_lib
 from mtp_jax import ring as ring_lib
 from mtp_jax import sampling
+from mtp_jax import shape_set
 from mtp_jax import step as step_lib
 from mtp_jax import tables
 from mtp_jax.config import DecodeConfig, HeadsConfig, ModelConfig
@@ -69,10 +70,13 @@ class Engine:
     # A tree engine verifies its tree every step (kd: its depth); span: the inputs a step adds
     # past the last committed token (k, or T nodes), kept free at the end of every row's cache.
     self.tree = Tree(self.cfg.tree) if self.cfg.tree else None
-    self.span = self.kd if self.tree is None else self.tree.size
-    # Seconds per step for k = 0..Kd; until calibrated, equal costs (the controller then only
-    # weighs expected tokens).
-    self.cost = [1.0] * (self.kd + 1)
+    # Adaptive k's candidates: chains 0..Kd, then trees (shape_set.py).
+    self.shape_set = shape_set.make(self.cfg, heads_cfg) if self.cfg.adaptive else None
+    trees = () if self.shape_set is None else self.shape_set.trees
+    self.span = max([self.kd] + [t.size for t in trees + ((self.tree,) if self.tree else ())])
+    # Seconds per step for each shape (k = 0..Kd, then trees); until calibrated, equal costs
+    # (the controller then only weighs expected tokens).
+    self.cost = [1.0] * self.n_shapes
     self.dtype = model_lib.compute_dtype(model_cfg)
     # The trunk's (and a draft model's) KV cache: storage dtype, how attention reads it.
     self.cache_args = (kv.storage_dtype(self.cfg.kv_dtype, self.dtype), self.cfg.attention,
@@ -80,7 +84,8 @@ class Engine:
     self.drafter = self.cfg.drafter          # the kind: heads | ngram | model
     self.drafter_impl = drafters.make(self.cfg, model_cfg, heads_cfg, self.dtype,
                                       self.cache_args,
-                                      None if draft_model is None else draft_model[0])
+                                      None if draft_model is None else draft_model[0],
+                                      top_r=self.top_r)
     self.step_cfg = step_lib.StepConfig(
         kd=self.kd, eod_id=eod_id, vocab_size=model_cfg.vocab_size,
         conf_threshold=self.cfg.confidence_threshold, adaptive=self.cfg.adaptive)
@@ -106,8 +111,26 @@ class Engine:
 
   # ------------------------------------------------------------------ state
 
+  @property
+  def n_shapes(self) -> int:
+    """Cost table entries: k = 0..Kd, then adaptive k's trees."""
+    return self.kd + 1 if self.shape_set is None else self.shape_set.size
+
+  @property
+  def top_r(self) -> int:
+    """Candidates per head the drafts hold (0: one draft per head, [B, Kd])."""
+    if self.tree is not None:
+      return self.tree.top_k
+    return 0 if self.shape_set is None else self.shape_set.top_r
+
+  def cost_array(self, cost) -> np.ndarray:
+    """cost with an entry per shape: a shape with no measured cost gets +inf (never chosen)."""
+    c = np.full((self.n_shapes,), np.inf, np.float32)
+    c[:len(cost)] = np.asarray(cost, np.float32)[:self.n_shapes]
+    return c
+
   def init_state(self, seed: int = 0) -> DecodeState:
-    return self._init(jax.random.key(seed), np.asarray(self.cost, np.float32))
+    return self._init(jax.random.key(seed), self.cost_array(self.cost))
 
   def _init_state_unplaced(self, key=None, cost=None) -> DecodeState:
     """The state of an engine with no rows (key: the base PRNG key, default key(0); cost: the
@@ -119,7 +142,7 @@ class Engine:
                 prompt_len=jnp.ones((b,), jnp.int32), stop_len=jnp.ones((b,), jnp.int32),
                 done=jnp.ones((b,), bool), steps=zeros_b, emitted=zeros_b,
                 cond_trials=jnp.zeros((b, kd), jnp.int32), cond_hits=jnp.zeros((b, kd), jnp.int32))
-    draft_BK = (b, kd) if self.tree is None else (b, kd, self.tree.top_k)   # a tree: [B, Kd, R]
+    draft_BK = (b, kd) if not self.top_r else (b, kd, self.top_r)   # trees: [B, Kd, R]
     drafts = Drafts(tokens=jnp.zeros(draft_BK, jnp.int32),
                     logq=jnp.zeros((b, kd, v), jnp.float32),
                     conf=jnp.zeros((b, kd), jnp.float32), n_fresh=zeros_b)
@@ -132,8 +155,8 @@ class Engine:
                     cond_trials=zeros_k, cond_hits=zeros_k)
     controller = None
     if self.cfg.adaptive:
-      controller = adaptive.init_controller(kd, self.cost if cost is None else cost,
-                                            self.cfg.probe_every)
+      controller = adaptive.init_controller(
+          kd, self.cost_array(self.cost) if cost is None else cost, self.cfg.probe_every)
     return DecodeState(rows=rows, drafts=drafts, caches=caches,
                        sampling=sampling.init_params(keys, b), record=record,
                        controller=controller)
@@ -166,8 +189,8 @@ class Engine:
     path = table_path or tables.default_table_path()
     key = tables.table_key(self)
     cost = None if force else tables.load_table(path, key)
-    if cost is None or len(cost) != self.kd + 1:
-      self.cost = [1.0] * (self.kd + 1)        # every k compiled, for the measurement
+    if cost is None or len(cost) != self.n_shapes:
+      self.cost = [1.0] * self.n_shapes        # every shape compiled, for the measurement
       cost, info = tables.measure_costs(self, params)
       tables.save_table(path, key, cost, **info)
     self.cost = cost
@@ -175,11 +198,14 @@ class Engine:
 
   @property
   def ks(self) -> tuple[int, ...] | None:
-    """Adaptive k: the k the controller may choose under the cost table (adaptive.viable_ks),
-    the step variants the adaptive loop compiles; None for a fixed-k engine."""
+    """Adaptive k: the shapes (indices: k = 0..Kd, then trees) the controller may choose under
+    the cost table (adaptive.viable_ks, ShapeSet.viable), the step variants the adaptive loop
+    compiles; None for a fixed-k engine."""
     if not self.cfg.adaptive:
       return None
-    return adaptive.viable_ks(self.cost, self.cfg.adapt_margin)
+    margin = self.cfg.adapt_margin
+    chains = adaptive.viable_ks(self.cost[:self.kd + 1], margin)
+    return self.shape_set.viable(self.cost, chains, margin)
 
   def buckets(self, max_prompt_len: int | None = None) -> list[int]:
     top = self.bucket(max_prompt_len or self.cfg.max_len - self.span - 1)
@@ -320,13 +346,25 @@ class Engine:
 
   # ------------------------------------------------------------------ the step
 
+  def shape(self, k: int) -> Chain | Tree:
+    """The shape of index k: a tree engine's tree; else a chain of k drafts (k <= Kd) or
+    adaptive k's tree."""
+    if self.tree is not None:
+      return self.tree
+    return Chain(k) if self.shape_set is None else self.shape_set.shape(k)
+
+  def depth(self, k: int) -> int:
+    """The drafts a step of shape k reads (a chain's k, a tree's depth)."""
+    shape = self.shape(k)
+    return shape.k if isinstance(shape, Chain) else shape.max_depth
+
   def step(self, m, state: DecodeState, k: int, sample: bool, n_draft: int | None = None,
-           dm=None, want_conf: bool = True) -> DecodeState:
-    """One step verifying a chain of k drafts, or a tree engine's tree (k is then its depth;
-    see step.step)."""
-    shape = Chain(k) if self.tree is None else self.tree
-    return step_lib.step(self.step_cfg, self.drafter_impl, m, dm, state, shape, sample,
-                         n_draft, want_conf)
+           dm=None, want_conf: bool = True, ranked: bool = True) -> DecodeState:
+    """One step verifying shape k (a tree engine's tree; see step.step). ranked: draft each
+    head's top candidates where the state holds them (a loop with no tree drafts the best
+    token alone)."""
+    return step_lib.step(self.step_cfg, self.drafter_impl, m, dm, state, self.shape(k), sample,
+                         n_draft, want_conf, ranked)
 
   def controller_limit(self, state: DecodeState):
     """Per row, the drafts the controller may expect it to verify: none without a fresh draft
@@ -342,14 +380,15 @@ class Engine:
     """The controller: k for the next step, on the device (adaptive.choose), one of ks
     (default self.ks)."""
     ks = self.ks if ks is None else ks
-    allowed = jnp.isin(jnp.arange(self.kd + 1), jnp.asarray(ks))
+    allowed = jnp.isin(jnp.arange(self.n_shapes), jnp.asarray(ks))
     return adaptive.choose(state, self.controller_limit(state), allowed, self.cfg.accept_window,
-                           self.cfg.adapt_margin)
+                           self.cfg.adapt_margin, self.shape_set)
 
   def worth_probing(self, state: DecodeState, ks: tuple[int, ...]):
     """Whether a probe could lead the controller to draft (adaptive.worth_probing)."""
-    allowed = jnp.isin(jnp.arange(self.kd + 1), jnp.asarray(ks))
-    return adaptive.worth_probing(state, allowed, self.cfg.accept_window, self.cfg.adapt_margin)
+    allowed = jnp.isin(jnp.arange(self.n_shapes), jnp.asarray(ks))
+    return adaptive.worth_probing(state, allowed, self.cfg.accept_window, self.cfg.adapt_margin,
+                                  self.shape_set)
 
   def _generate_impl(self, params, state: DecodeState, num_steps, refill, idle_steps,
                      sample: bool, ks: tuple[int, ...] | None = None):

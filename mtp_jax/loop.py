@@ -20,7 +20,7 @@ segments): the turn to plain decoding is checked again once the rates that made 
 the window.
 
 An adaptive call runs top-level loops, in order, each step a fixed-k engine's own step:
-1. one loop per drafting k of ks, the largest first, each running while the controller keeps to
+1. one loop per drafting shape of ks (k > 0, then adaptive k's trees), the largest index first, each running while the controller keeps to
    its k (checked by a lax.cond where a segment ends);
 2. plain segments up to the start of the next probe segment: with no fresh drafts the controller
    can only choose 0 again;
@@ -52,6 +52,8 @@ class Loop:
   def __init__(self, eng, m, dm, state: DecodeState, num_steps, refill, idle_steps,
                sample: bool, ks):
     self.eng, self.m, self.dm, self.sample, self.ks = eng, m, dm, sample, ks
+    # Drafts hold each head's top candidates only where a tree may verify them.
+    self.ranked = ks is None or max(ks) > eng.kd
     self.num_steps, self.refill, self.idle_steps = num_steps, refill, idle_steps
     self.done0, self.step0, self.row_steps0 = state.rows.done, state.record.step, state.rows.steps
     self.every = eng.cfg.adapt_every
@@ -76,7 +78,8 @@ class Loop:
       return go(c[0]) & (c[1] < self.num_steps) & self.goes_on(c[2])
 
     def body(c):
-      st = self.eng.step(self.m, c[2], k, self.sample, nd, dm=self.dm, want_conf=want_conf)
+      st = self.eng.step(self.m, c[2], k, self.sample, nd, dm=self.dm, want_conf=want_conf,
+                         ranked=self.ranked)
       return c[0] + 1, c[1] + 1, st
     return jax.lax.while_loop(run, body, (j, i, st))
 
@@ -109,8 +112,8 @@ class Loop:
     return jnp.where(cont, c.seg_k, self.eng.choose_k(st, self.ks))
 
   def drafting(self, state: DecodeState):
-    """Loop 1: one loop per drafting k, the largest first. -> (i, the k the call goes on with,
-    st)."""
+    """Loop 1: one loop per drafting shape (k > 0, then trees), the largest index first.
+    -> (i, the shape index the call goes on with, st)."""
     every = self.every
     after_drafting = min(-(-self.eng.cfg.accept_window // every), self.eng.cfg.probe_every_max)
 
@@ -119,7 +122,8 @@ class Loop:
 
       def body(c):
         i, _, st = c
-        st = self.eng.step(self.m, st, k, self.sample, k, dm=self.dm, want_conf=True)
+        st = self.eng.step(self.m, st, k, self.sample, self.eng.depth(k), dm=self.dm,
+                           want_conf=True, ranked=self.ranked)
         nk = jax.lax.cond(st.record.step % every == 0, lambda s: self.eng.choose_k(s, self.ks),
                           lambda s: k_, st)
         return i + 1, nk, st

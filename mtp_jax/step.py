@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from mtp_jax import ring as ring_lib
 from mtp_jax import sampling
+from mtp_jax import shape_set
 from mtp_jax import tree_verify
 from mtp_jax.drafters.base import DraftInput, no_drafts
 from mtp_jax.shapes import Chain, Tree
@@ -48,7 +49,7 @@ def row_limit(sc: StepConfig, drafts: Drafts):
 
 
 def step(sc: StepConfig, drafter, m, dm, state: DecodeState, shape: Chain | Tree, sample: bool,
-         n_draft: int | None = None, want_conf: bool = True) -> DecodeState:
+         n_draft: int | None = None, want_conf: bool = True, ranked: bool = True) -> DecodeState:
   """One step verifying `shape` (static), then drafting n_draft (default Kd) for the next one.
 
   The adaptive loop drafts only what the next step of the same k may verify (none in a plain
@@ -56,7 +57,8 @@ def step(sc: StepConfig, drafter, m, dm, state: DecodeState, shape: Chain | Tree
   steps of a probe segment); the drafts not made keep their old values with zero confidence and
   are not fresh. want_conf: the controller reads this step's draft confidences
   (DraftSpec.conf_cols). m, dm: the bound target and draft models (dm None but for a draft model).
-  A tree's k is its depth: the drafts a step may accept.
+  A tree's k is its depth: the drafts a step may accept. ranked: where the drafts hold each
+  head's top candidates ([B, Kd, R]: trees), draft them all (else the best alone, at rank 0).
   """
   tree = shape if isinstance(shape, Tree) else None
   k = shape.k if tree is None else tree.max_depth
@@ -71,7 +73,7 @@ def step(sc: StepConfig, drafter, m, dm, state: DecodeState, shape: Chain | Tree
   k_row = jnp.minimum(row_limit(sc, state.drafts), k)
   last_B = None       # a tree: the input of the last accepted token (a chain's is n)
   if tree is None:
-    drafts_BK = state.drafts.tokens[:, :k]
+    drafts_BK = chain_tokens(state.drafts.tokens)[:, :k]
     inp_BT = jnp.concatenate([last, drafts_BK], axis=1)                 # [B, k+1]
     pos_BT = (length - 1)[:, None] + jnp.arange(k + 1)[None]
     # 2. trunk
@@ -81,8 +83,9 @@ def step(sc: StepConfig, drafter, m, dm, state: DecodeState, shape: Chain | Tree
     n, out_BT, base_BV, logp_BTV = _verify(sc, state, drafts_BK, logits_BTV, k_row, k_verify,
                                            sp, sample)
   else:                                   # 1-3, and the accepted path's K/V put in place
-    n, out_BT, base_BV, last_B, h_BTD, trunk = _tree_pass(sc, m, state, tree, last[:, 0],
-                                                          k_verify, sp, sample)
+    limit_B = k_row if sc.adaptive else None      # an adaptive row's fresh drafts
+    n, out_BT, base_BV, last_B, h_BTD, trunk, path_BD = _tree_pass(
+        sc, m, state, tree, last[:, 0], k_verify, sp, sample, limit_B)
   # 4. commit
   rows, n_emit = _commit(sc, rows, n, out_BT, k)
   presence = None
@@ -95,11 +98,14 @@ def step(sc: StepConfig, drafter, m, dm, state: DecodeState, shape: Chain | Tree
                    seq_h=state.caches.seq_h, key=k_draft, sp=sp, presence_BV=presence,
                    last_B=last_B)
   drafts, dcache, seq_h = _draft_next(sc, drafter, m, dm, inp, state.drafts, nd, sample,
-                                      want_conf)
+                                      want_conf, ranked)
   # 6. record
   checked = sc.adaptive and k == 0 and sc.kd > 0   # a probe's draft, against plain decoding
   n_rec, k_rec = (_shadow_check(sc, state, out_BT, logp_BTV, k_verify, sample) if checked
                   else (n, k_row))
+  if tree is not None and sc.adaptive:   # what the tree's rank-0 chain accepted (shape_set.py)
+    n_rec, k_rec = tree_verify.chain_accepted(tree, path_BD), jnp.minimum(
+        k_row, shape_set.chain_depth(tree))
   record, reached_BK, hit_BK = _record(sc, state, n_rec, n_emit, out_BT, k_rec, k,
                                        verified_by_trunk=not checked)
   rows = rows.replace(steps=rows.steps + active.astype(jnp.int32),
@@ -143,7 +149,7 @@ def _shadow_check(sc, state, out_BT, logp_BTV, key, sample: bool):
   measured 0.29 where probes measure ~0.65, and stored it as the next process's prior).
   -> (accepted [B], verified [B]) for the record."""
   fresh = (row_limit(sc, state.drafts) > 0) & ~state.rows.done & (state.rows.steps > 0)
-  d_B = state.drafts.tokens[:, 0]
+  d_B = chain_tokens(state.drafts.tokens)[:, 0]
   if not sample:
     hit = d_B == out_BT[:, 0]
   else:
@@ -153,13 +159,19 @@ def _shadow_check(sc, state, out_BT, logp_BTV, key, sample: bool):
   return (fresh & hit).astype(jnp.int32), fresh.astype(jnp.int32)
 
 
-def _tree_pass(sc, m, state, tree: Tree, last_B, k_verify, sp, sample: bool):
+def chain_tokens(tokens):
+  """The chain's drafts [B, Kd]: rank 0 of drafts that hold each head's candidates [B, Kd, R]."""
+  return tokens[..., 0] if tokens.ndim == 3 else tokens
+
+
+def _tree_pass(sc, m, state, tree: Tree, last_B, k_verify, sp, sample: bool, limit_B=None):
   """Steps 1-3 for a tree: inputs [root, T nodes] at positions length-1+depth, one trunk pass
   under the ancestor mask (K/V to the tree slots length-1 .. length-1+T), verification, and the
   accepted path's K/V moved to length .. length+n-1 (the length before the step: the nodes'
   slots are counted from it). Greedy rows of a sampled step reduce to the greedy rule.
   -> (n [B], emitted tokens [B, D+1], the history's presence [B, V] when sampling, the input
-  of the last accepted token [B], h [B, T+1, D], the trunk's cache)."""
+  of the last accepted token [B], h [B, T+1, D], the trunk's cache, the accepted path [B, D]).
+  limit_B: per row, the depth past which no node may be accepted (its fresh drafts)."""
   rows = state.rows
   nodes_BT = tree_verify.node_tokens(tree, state.drafts.tokens)
   inp_BP, pos_BP = tree_verify.step_inputs(tree, last_B, nodes_BT, rows.length)
@@ -171,12 +183,13 @@ def _tree_pass(sc, m, state, tree: Tree, last_B, k_verify, sp, sample: bool):
     pres_BPV = tree_verify.step_presence(tree, base_BV, nodes_BT)
     logp_BPV = sampling.process_logits(logits_BPV, *sp, pres_BPV)
     verdict = tree_verify.verify_sampling(k_verify, tree, nodes_BT, logp_BPV, state.drafts.logq,
-                                          tree_verify.head_rows(tree, sc.kd), mode="sampled")
+                                          tree_verify.head_rows(tree, sc.kd), mode="sampled",
+                                          limit_B=limit_B)
   else:
-    verdict = tree_verify.verify_greedy(tree, nodes_BT, logits_BPV)
+    verdict = tree_verify.verify_greedy(tree, nodes_BT, logits_BPV, limit_B)
   n = verdict.accepted_B
   trunk = tree_verify.commit_path_cache(trunk, rows.length, verdict.path_BD, n)
-  return n, verdict.tokens_BD, base_BV, verdict.last_B, h_BPD, trunk
+  return n, verdict.tokens_BD, base_BV, verdict.last_B, h_BPD, trunk, verdict.path_BD
 
 
 def _commit(sc, rows, n, out_BT, k: int):
@@ -195,15 +208,17 @@ def _commit(sc, rows, n, out_BT, k: int):
 
 
 def _draft_next(sc, drafter, m, dm, inp: DraftInput, old: Drafts, nd: int, sample: bool,
-                want_conf: bool):
+                want_conf: bool, ranked: bool = True):
   """The next drafts (nd of them; none in a plain step). -> (Drafts, draft cache, seq_h)."""
   b = inp.n_B.shape[0]
   dcache, seq_h = inp.draft_cache, inp.seq_h
   if nd:
-    new, logq, conf, dcache, seq_h = drafter.draft(m, dm, inp, nd, sample, want_conf)
+    new, logq, conf, dcache, seq_h = drafter.draft(m, dm, inp, nd, sample, want_conf, ranked)
   else:
     new, logq, conf = no_drafts(b, sc.vocab_size)
   made = new.shape[1]
+  if new.ndim < old.tokens.ndim:     # the best drafts alone: rank 0 (no tree reads the rest)
+    new = jnp.concatenate([new[..., None], old.tokens[:, :made, 1:]], 2)
   if not sample:
     # Only sampled verification reads q, and a row that samples runs sampled steps only
     # (greedy rows verify exactly against any q): greedy steps leave logq as it is.

@@ -40,9 +40,10 @@ def run_rates(trials_K, hits_K, min_trials: int = 16) -> list[float]:
 def _code_version() -> str:
   """A hash of the modules a step's cost and its measurement depend on (this one included): a
   table measured by other code is stale."""
-  from mtp_jax import adaptive, attention, cache, drafters, engine, loop, model, sampling, step
+  from mtp_jax import (adaptive, attention, cache, drafters, engine, loop, model, sampling,
+                       step, tree_verify)
   paths = [mod.__file__ for mod in (adaptive, attention, cache, engine, loop, model, sampling,
-                                    ring_lib, step)] + [__file__]
+                                    ring_lib, step, tree_verify)] + [__file__]
   folder = os.path.dirname(drafters.__file__)
   paths += [os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".py")]
   h = hashlib.sha1()
@@ -68,8 +69,10 @@ def table_key(engine) -> str:
   m, d = engine.model_cfg, engine.cfg
   dev = jax.devices()[0]
   model = hashlib.sha1(repr((m, engine.heads_cfg)).encode()).hexdigest()[:12]
+  trees = hashlib.sha1(repr(d.adaptive_trees).encode()).hexdigest()[:8] if d.adaptive_trees \
+      else "none"
   return f"{dev.platform}:{getattr(dev, 'device_kind', '')}|model={model}|slots={d.batch_size}" \
-         f"|max_len={d.max_len}|k_max={engine.kd}|adapt_every={d.adapt_every}" \
+         f"|max_len={d.max_len}|k_max={engine.kd}|trees={trees}|adapt_every={d.adapt_every}" \
          f"|code={_code_version()}|{_runtime()}"
 
 
@@ -167,7 +170,8 @@ def monotone(cost: list[float]) -> list[float]:
 
 def measure_costs(engine, params, rel_err: float = 0.02, budget_s: float = 60.0,
                   min_rounds: int = 10, max_rounds: int = 400, steps: int = 32):
-  """Seconds per step with k = 0..K_max drafts, every slot active: warm, `steps` steps per
+  """Seconds per step with k = 0..K_max drafts (then each of adaptive k's trees: index k > K_max
+  of engine.shape), every slot active: warm, `steps` steps per
   run, every k once per round (in alternating order). The controller only weighs costs against
   each other, so c(k) is the median over rounds of c(k) / c(0) within the round (a slow spell
   of a shared machine slows a whole round alike) times the median c(0); made non-decreasing in
@@ -175,7 +179,7 @@ def measure_costs(engine, params, rel_err: float = 0.02, budget_s: float = 60.0,
   off by 8% in c(3) / c(1) turns the controller to the wrong k: rounds go on until the
   standard error of every ratio is below rel_err, or budget_s has passed (after min_rounds).
   -> (cost [K+1], {"rounds", "rel_se": the largest standard error of a ratio})."""
-  b, k1 = engine.cfg.batch_size, engine.kd + 1
+  b, k1 = engine.cfg.batch_size, engine.n_shapes
   steps = min(steps, engine.cfg.ring_size)
   rng = np.random.default_rng(0)
   prompts = [list(rng.integers(0, engine.model_cfg.vocab_size, 8)) for _ in range(b)]
@@ -209,5 +213,6 @@ def measure_costs(engine, params, rel_err: float = 0.02, budget_s: float = 60.0,
       if se < rel_err or time.perf_counter() - start > budget_s:
         break
   t = np.asarray(rows).T                                         # [K+1, rounds]
-  cost = monotone([float(np.median(t[0]) * np.median(t[k] / t[0])) for k in range(k1)])
+  cost = [float(np.median(t[0]) * np.median(t[k] / t[0])) for k in range(k1)]
+  cost = monotone(cost[:engine.kd + 1]) + cost[engine.kd + 1:]       # chains, then trees
   return cost, {"rounds": len(rows), "rel_se": round(se, 4)}

@@ -125,17 +125,20 @@ def _emitted(nodes_BT, path_BD, n_B, bonus_B):
   return jnp.where(jnp.arange(d + 1)[None] == n_B[:, None], bonus_B[:, None], tokens)
 
 
-def verify_greedy(tree: Tree, nodes_BT, logits_BPV) -> Verdict:
+def verify_greedy(tree: Tree, nodes_BT, logits_BPV, limit_B=None) -> Verdict:
   """The longest path whose every token is the trunk's argmax at its parent, then the argmax at
   its end. logits_BPV: the trunk's logits at the root and every node [B, T+1, V]. The argmax is
   taken only where it is read: at positions with children, then at each row's last accepted one
-  (about half a tree's nodes are leaves; an argmax over V is no cheap reduction on XLA:CPU)."""
+  (about half a tree's nodes are leaves; an argmax over V is no cheap reduction on XLA:CPU).
+  limit_B: per row, no node deeper than this is accepted (default: none is cut)."""
   inner_I = np.flatnonzero(tree.children_PR[:, 0] >= 0)         # the root always has children
   slot_P = np.zeros(tree.size + 1, np.int32)
   slot_P[inner_I] = np.arange(len(inner_I))
   target_BI = sampling.argmax(logits_BPV[:, inner_I])
   match_BT = nodes_BT == target_BI[:, slot_P[tree.parent + 1]]
   ok_BT = ~jnp.any(tree.mask_TT[None] & ~match_BT[:, None, :], -1)   # every ancestor matches
+  if limit_B is not None:
+    ok_BT = ok_BT & (tree.depth[None] <= limit_B[:, None])
   t = tree.size
   score_BT = jnp.where(ok_BT, tree.depth * (t + 1) + (t - jnp.arange(t)), 0)
   best_B = jnp.argmax(score_BT, -1)
@@ -154,7 +157,7 @@ def _normalized(x_BV, fallback_BV):
 
 
 def verify_sampling(key, tree: Tree, nodes_BT, logp_BPV, logq_BXV=None, q_row_P=None,
-                    mode: str = "topk") -> Verdict:
+                    mode: str = "topk", limit_B=None) -> Verdict:
   """Lossless recursive rejection over the tree (see the module docstring for the modes).
 
   logp_BPV: the trunk's processed log-probabilities at the root and every node [B, T+1, V].
@@ -162,6 +165,8 @@ def verify_sampling(key, tree: Tree, nodes_BT, logp_BPV, logq_BXV=None, q_row_P=
   which of its X rows each input position's children were drawn from (default: row = position,
   X = T+1; parallel heads pass their [B, K, V] and `head_rows`). `key`: one key or one per row.
   Only the rows the walk reaches are exponentiated, never all T+1 positions' distributions.
+  limit_B: per row, the depth past which no child is tried (the walk stops there and draws the
+  bonus token from the current p, as at a leaf).
   """
   if mode not in MODES:
     raise ValueError(f"mode={mode!r}: must be one of {MODES}")
@@ -198,6 +203,8 @@ def verify_sampling(key, tree: Tree, nodes_BT, logp_BPV, logq_BXV=None, q_row_P=
 
   def depth_body(d, carry):
     pos_B, p, live_B, n_B, path_BD = carry
+    if limit_B is not None:
+      live_B = live_B & (d < limit_B)
     q0 = None
     if mode == "sampled":
       q0 = jnp.exp(logq_BXV[rows, q_row_P[pos_B]].astype(jnp.float32))
@@ -215,6 +222,14 @@ def verify_sampling(key, tree: Tree, nodes_BT, logp_BPV, logq_BXV=None, q_row_P=
   bonus_B = jax.vmap(lambda k, lg: jax.random.categorical(k, lg))(keys[:, 1], logits)
   bonus_B = bonus_B.astype(jnp.int32)
   return Verdict(n_B, path_BD, _emitted(nodes_BT, path_BD, n_B, bonus_B), last_B)
+
+
+def chain_accepted(tree: Tree, path_BD):
+  """[B] how many of the accepted path's first nodes hold rank 0: the drafts the tree's rank-0
+  chain accepted (greedy: exactly what a chain step would have; sampling: in law, as each
+  depth tries rank 0 first with the chain's rule)."""
+  rank0_BD = (path_BD >= 0) & (jnp.asarray(tree.rank)[jnp.maximum(path_BD, 0)] == 0)
+  return jnp.sum(jnp.cumprod(rank0_BD.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
 
 
 # ---------------------------------------------------------------- committing the accepted path

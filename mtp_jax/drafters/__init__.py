@@ -7,8 +7,8 @@
 
 Each has init_cache(b, s) -> (draft cache, seq_h), prefill(...) and draft(...), both returning
 (drafts, logq, conf, draft cache, seq_h). make() chooses one; nothing else branches on the kind.
-A tree engine drafts with the parallel heads only (DecodeConfig.resolve refuses the others):
-each head's top_r candidates by rank.
+Trees (a tree engine's, adaptive k's) draft with the parallel heads only (DecodeConfig.resolve
+refuses the others): each head's top_r candidates by rank.
 """
 
 from __future__ import annotations
@@ -18,19 +18,19 @@ from mtp_jax.drafters.draft_model import DraftModel
 from mtp_jax.drafters.ngram import NGram
 from mtp_jax.drafters.parallel import ParallelHeads
 from mtp_jax.drafters.sequential import SequentialModules
-from mtp_jax.shapes import Tree
 
 
-def make(decode_cfg, model_cfg, heads_cfg, dtype, cache_args: tuple, draft_model_cfg=None):
+def make(decode_cfg, model_cfg, heads_cfg, dtype, cache_args: tuple, draft_model_cfg=None,
+         top_r: int = 0):
   """The drafter of a resolved DecodeConfig (dtype: the compute dtype; cache_args: the trunk's
   kv.init_cache storage arguments, which a draft model's cache shares). With no drafts (k = 0)
-  the heads' path drafts nothing, except that a draft model still keeps its cache."""
+  the heads' path drafts nothing, except that a draft model still keeps its cache. top_r: each
+  head's candidates by rank (a tree engine's, or the largest of adaptive k's trees; 0: one)."""
   kd = decode_cfg.k
-  tree = Tree(decode_cfg.tree) if decode_cfg.tree else None
   spec = DraftSpec(kd=kd, vocab_size=model_cfg.vocab_size,
                    conf_threshold=decode_cfg.confidence_threshold,
                    needs_conf=decode_cfg.adaptive or decode_cfg.confidence_threshold > 0,
-                   top_r=0 if tree is None else tree.top_k)
+                   top_r=top_r)
   if decode_cfg.drafter == "model":
     return DraftModel(spec, draft_model_cfg, cache_args)
   if kd == 0 or (decode_cfg.drafter == "heads" and heads_cfg.kind != "sequential"):

@@ -30,7 +30,8 @@ class DraftModel:
     return self.chain(dm, hist_NS, length_N + 1, cache, key, sp, presence_NV, sample,
                       self.spec.kd) + (None,)
 
-  def draft(self, m, dm, inp: DraftInput, n: int, sample: bool, want_conf: bool):
+  def draft(self, m, dm, inp: DraftInput, n: int, sample: bool, want_conf: bool,
+            ranked: bool = False):
     return self.chain(dm, inp.tokens_BS, inp.length_B, inp.draft_cache, inp.key, inp.sp,
                       inp.presence_BV, sample, n, want_conf) + (inp.seq_h,)
 

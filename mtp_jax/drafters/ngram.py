@@ -21,7 +21,8 @@ class NGram:
               sample: bool):
     return self.lookup(hist_NS, length_N + 1, sample) + (None, None)
 
-  def draft(self, m, dm, inp: DraftInput, n: int, sample: bool, want_conf: bool):
+  def draft(self, m, dm, inp: DraftInput, n: int, sample: bool, want_conf: bool,
+            ranked: bool = False):
     # Lookup costs nothing: always Kd drafts.
     return self.lookup(inp.tokens_BS, inp.length_B, sample) + (inp.draft_cache, inp.seq_h)
 

@@ -23,13 +23,16 @@ class ParallelHeads:
     h_last = jnp.take_along_axis(h_NPD, (length_N - 1)[:, None, None], axis=1)[:, 0]
     return self.heads(m, h_last, key, sp, presence_NV, sample, self.spec.kd) + (None, None)
 
-  def draft(self, m, dm, inp: DraftInput, n: int, sample: bool, want_conf: bool):
+  def draft(self, m, dm, inp: DraftInput, n: int, sample: bool, want_conf: bool,
+            ranked: bool = True):
     return self.heads(m, inp.h_last_BD, inp.key, inp.sp, inp.presence_BV, sample, n,
-                      want_conf) + (inp.draft_cache, inp.seq_h)
+                      want_conf, ranked) + (inp.draft_cache, inp.seq_h)
 
-  def heads(self, m, h_BD, key, sp, presence_BV, sample: bool, n: int, want_conf: bool = True):
+  def heads(self, m, h_BD, key, sp, presence_BV, sample: bool, n: int, want_conf: bool = True,
+            ranked: bool = True):
     """n drafts from the first n heads at one hidden state per row
-    -> (drafts [B, n], logq [B, n, V], the heads' confidence: peak probability [B, n]).
+    -> (drafts [B, n], logq [B, n, V], the heads' confidence: peak probability [B, n]); with
+    spec.top_r and `ranked`, each head's top_r candidates [B, n, R] (candidates).
 
     When sampling, draft i is drawn from head i's processed distribution, whose repetition
     penalty also counts drafts 1..i-1 (the history the trunk will verify it against).
@@ -39,8 +42,8 @@ class ParallelHeads:
       return no_drafts(b, v)
     hh = m.head_hidden(h_BD[:, None], n=n)[:, 0]                        # [B, n, D]
     logits = m.logits(hh)                                               # [B, n, V]
-    if self.spec.top_r:
-      return self.candidates(logits, key, sp, presence_BV, sample)
+    if self.spec.top_r and ranked:
+      return self.candidates(logits, key, sp, presence_BV, sample, want_conf)
     if not sample:
       # Confidences feed only the controller and the threshold: the softmax is skipped where
       # neither reads it.
@@ -63,7 +66,7 @@ class ParallelHeads:
     # the sampled draft itself would bias the output (rejection sampling assumes d_i ~ q_i).
     return drafts, logq, jnp.exp(jnp.max(logq, -1))
 
-  def candidates(self, logits_BNV, key, sp, presence_BV, sample: bool):
+  def candidates(self, logits_BNV, key, sp, presence_BV, sample: bool, want_conf: bool = True):
     """A tree engine's drafts: each head's top_r candidates by rank [B, n, R] (-> drafts, logq
     [B, n, V], the heads' peak probability [B, n]).
 
@@ -74,8 +77,12 @@ class ParallelHeads:
     """
     b, n, v = logits_BNV.shape
     if not sample:
+      conf_BN = jnp.zeros((b, n), jnp.float32)
+      c = self.spec.conf_cols(n, want_conf)
+      if c:                                      # adaptive k reads the first head's
+        conf_BN = conf_BN.at[:, :c].set(peak_prob(logits_BNV[:, :c]))
       return (tree_verify.topk_candidates(logits_BNV, self.spec.top_r),
-              jnp.zeros((b, n, v), jnp.float32), jnp.zeros((b, n), jnp.float32))
+              jnp.zeros((b, n, v), jnp.float32), conf_BN)
     logq = sampling.process_logits(logits_BNV, *sp, presence_BV[:, None])
     return (tree_verify.draw_candidates(key, logq, self.spec.top_r), logq,
             jnp.exp(jnp.max(logq, -1)))

@@ -50,7 +50,8 @@ class SequentialModules:
     return self.chain(m, seq_h, length_N + 1, cache, key, sp, presence_NV, sample,
                       self.spec.kd) + (seq_h,)
 
-  def draft(self, m, dm, inp: DraftInput, n: int, sample: bool, want_conf: bool):
+  def draft(self, m, dm, inp: DraftInput, n: int, sample: bool, want_conf: bool,
+            ranked: bool = False):
     """The modules' caches take the committed tokens (this step's accepted positions), in the
     same compiled step, then the modules draft in sequence."""
     cache, seq_h = inp.draft_cache, inp.seq_h

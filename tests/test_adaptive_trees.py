@@ -1,0 +1,181 @@
+"""Adaptive k choosing among chains and token trees (shape_set.py): the expected tokens of a
+tree, which trees the cost table leaves, greedy output equal to plain greedy decoding and lossless
+sampling while trees are chosen, no recompiles, and what cannot choose a tree says so."""
+
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtp_jax import api
+from mtp_jax import engine as E
+from mtp_jax import shape_set as SS
+from mtp_jax import shapes as S
+from mtp_jax import tree_verify as TV
+from mtp_jax.config import ConfigError, DecodeConfig, HeadsConfig
+from tests.conftest import tiny_config
+from tests.stats import homogeneity
+from tests.test_engine import _CompileCounter, _prompts, sample_rounds
+from tests.test_tree_engine import DEEP, WIDE, plain_runs, tiny_model  # noqa: F401 (fixtures)
+
+RATES = ((0.6, 0.2, 0.1, 0.05), (0.5, 0.2, 0.1, 0.05), (0.4, 0.2, 0.1, 0.05),
+         (0.3, 0.2, 0.1, 0.05))
+
+
+def _brute_expected(tree, alpha, rates):
+  """1 + sum over nodes of the product of p(depth, rank) along the path (shape_set's model)."""
+  total = 1.0
+  for path in tree.choices:
+    v = 1.0
+    for d, r in enumerate(path):
+      v *= alpha[d] if r == 0 else (1 - alpha[d]) * rates[d][r] / (1 - rates[d][0])
+    total += v
+  return total
+
+
+def test_expected_tokens_of_chains_and_trees():
+  trees = (S.Tree.from_choices(WIDE), S.Tree.from_choices(DEEP))
+  ss = SS.ShapeSet(kd=4, trees=trees, rates=RATES)
+  alpha = np.asarray([0.7, 0.5, 0.45, 0.2], np.float32)
+  e = np.asarray(ss.expected(jnp.asarray(alpha)))
+  assert e.shape == (ss.size,) == (7,)
+  chain = [1.0] + list(1.0 + np.cumsum(np.cumprod(alpha)))
+  np.testing.assert_allclose(e[:5], chain, rtol=1e-6)
+  for i, tree in enumerate(trees):
+    np.testing.assert_allclose(e[5 + i], _brute_expected(tree, alpha, RATES), rtol=1e-6)
+  # A cut at depth 1 (one fresh draft): nothing deeper counts, in chains and trees alike.
+  cut = jnp.asarray([[True, False, False, False]])
+  e1 = np.asarray(ss.expected(jnp.asarray(alpha)[None], cut))[0]
+  np.testing.assert_allclose(e1, [1, 1.7, 1.7, 1.7, 1.7, 1 + 0.7 + 0.3 * (2 / 4 + 1 / 4),
+                                  1 + 0.7 + 0.3 * 2 / 4], rtol=1e-6)
+  assert SS.chain_depth(trees[0]) == 3 and SS.chain_depth(trees[1]) == 4
+
+
+def test_trees_are_viable_only_where_they_beat_every_chain():
+  ss = SS.ShapeSet(kd=4, trees=(S.Tree.from_choices(WIDE),), rates=RATES)
+  chains = (0, 1, 2, 3, 4)
+  # A step of 9 tokens costs what one of 5 does: the tree's extra candidates are free.
+  assert ss.viable([1.0, 1.01, 1.02, 1.03, 1.04, 1.04], chains, 0.06) == chains + (5,)
+  # Twice the chain's cost (XLA:CPU): never worth it at these rates.
+  assert ss.viable([1.0, 1.01, 1.02, 1.03, 1.04, 2.0], chains, 0.06) == chains
+  # No measured cost (a table of chains only): never chosen.
+  assert ss.viable([1.0, 1.01, 1.02, 1.03, 1.04], chains, 0.06) == chains
+
+
+def test_the_accepted_paths_rank_zero_prefix_and_the_depth_limit():
+  tree = S.Tree.from_choices(WIDE)        # nodes (0,) (1,) (2,) (0,0) (0,1) (1,0) (0,0,0) (0,0,1)
+  path = jnp.asarray([[0, 3, 6], [0, 4, -1], [1, 5, -1], [-1, -1, -1], [0, 3, 7]])
+  assert TV.chain_accepted(tree, path).tolist() == [3, 1, 0, 0, 2]
+  # Greedy: targets agree with the deepest path (0, 0, 0); a limit of 1 keeps depth 1 alone.
+  v = 8
+  nodes = jnp.asarray([[1, 2, 3, 4, 5, 6, 7, 0]] * 2)
+  targets = np.zeros((2, tree.size + 1), np.int64)
+  targets[:, 0], targets[:, 1], targets[:, 4] = 1, 4, 7      # root -> 1, (0,) -> 4, (0,0) -> 7
+  logits = jax.nn.one_hot(jnp.asarray(targets), v) * 10.0
+  out = TV.verify_greedy(tree, nodes, logits, jnp.asarray([3, 1]))
+  assert out.accepted_B.tolist() == [3, 1]
+  assert out.tokens_BD[1, :2].tolist() == [1, 4]           # the draft, then the trunk's token
+  key = jax.random.key(0)
+  out = TV.verify_sampling(key, tree, nodes, jnp.log(jnp.maximum(logits / 10.0, 1e-30)),
+                           limit_B=jnp.asarray([3, 1]))
+  assert out.accepted_B.tolist() == [3, 1]
+
+
+def _auto(tiny, cost, **opts):
+  """An adaptive decoder of the tiny model choosing among chains and WIDE / DEEP under `cost`."""
+  (mcfg, hcfg, params, tok), _, _ = tiny
+  dcfg = DecodeConfig(batch_size=3, adaptive=True, ring_size=8, adaptive_trees=(WIDE, DEEP),
+                      **opts)
+  dec = api.Decoder(mcfg, hcfg, params, tok, dcfg)
+  dec.engine.cost = cost
+  return dec
+
+
+# Chains cost 10 plain steps (never chosen): only a tree can emit more than one token a step.
+TREES_ONLY = [1.0, 10.0, 10.0, 10.0, 10.0, 1.01, 1.02]
+EVERY_SHAPE = [1.0, 1.01, 1.02, 1.03, 1.04, 1.05, 1.06]
+
+
+@pytest.mark.parametrize("cost, penalty", [(TREES_ONLY, False), (EVERY_SHAPE, True)])
+def test_greedy_output_equals_plain_greedy_while_trees_are_chosen(tiny_model, plain_runs,  # noqa: F811
+                                                                  cost, penalty):
+  """Rows of different lengths, refills, a stop string (plain_runs); the controller's choices
+  move between trees (and chains), rows holding one fresh draft after a probe verify no deeper."""
+  reqs, want = plain_runs(penalty)
+  dec = _auto(tiny_model, cost)
+  assert max(dec.engine.ks) > dec.engine.kd, dec.engine.ks
+  got = dec.run(reqs)
+  for a, b in zip(want, got):
+    assert (a.token_ids, a.finish_reason, a.text) == (b.token_ids, b.finish_reason, b.text)
+  st = dec.last_stats
+  if cost is TREES_ONLY:
+    assert dec.engine.ks == (0, 5, 6)
+    assert st["acceptance_length"] > 1.2, st    # tree steps ran and accepted drafts
+
+
+def test_sampling_is_lossless_while_trees_are_chosen(tiny_model):  # noqa: F811
+  """As the chain's test (tests/test_engine.py): the 2nd and 3rd sampled tokens, from steps the
+  controller runs with the trees alone, follow plain sampling's distribution."""
+  (mcfg, hcfg, params, tok), cfg, _ = tiny_model
+  prompt = _prompts(cfg, tok, 1, seed=3)[0][:12]
+  plain = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=64, k=0, ring_size=8), tok.eod_id)
+  auto = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=64, adaptive=True, ring_size=8,
+                                           adaptive_trees=(WIDE, DEEP)), tok.eod_id)
+  auto.cost = TREES_ONLY
+  a, _ = sample_rounds(params, plain, prompt, 1.0, 1, 24, 64, 3, 4)
+  b, st = sample_rounds(params, auto, prompt, 1.0, 2, 24, 64, 3, 4)
+  assert st["acceptance_length"] > 1.1, st
+  pairs = lambda x: [f"{p},{q}" for p, q in x[:, 1:3]]
+  pvalue, n_cats, table = homogeneity(pairs(a), pairs(b))
+  assert n_cats >= 5, "too few categories for a meaningful test"
+  assert pvalue > 1e-4, (pvalue, table)
+
+
+def test_no_recompilation_after_warmup_with_trees_chosen(tiny_model):  # noqa: F811
+  (_, _, _, _), cfg, _ = tiny_model
+  dec = _auto(tiny_model, EVERY_SHAPE)
+  prompts = _prompts(cfg, tiny_model[0][3], 6, seed=5)
+  dec.warmup(max_prompt_len=16)
+  counter = _CompileCounter()
+  logger = logging.getLogger("jax")
+  logger.addHandler(counter)
+  try:
+    with jax.log_compiles(True):
+      dec.run([api.Request(prompts[2][:12], 20), api.Request(prompts[3][:9], 3)])
+      dec.run([api.Request(prompts[4][:14], 11, 1.0, 0, 1.0), api.Request(prompts[5][:7], 30)])
+  finally:
+    logger.removeHandler(counter)
+  assert counter.messages == [], counter.messages
+
+
+def test_auto_takes_the_models_trees_and_what_cannot_choose_a_tree_says_so(tiny_model):  # noqa: F811
+  _, _, workdir = tiny_model
+  model_dir = os.path.join(workdir, "model")
+  dec = api.Decoder.load(model_dir, batch_size=2, k="auto")
+  hnum = dec.engine.heads_cfg.num
+  want = [S.tree_for(b, hnum, model_dir) for b in SS.ADAPTIVE_BUDGETS]
+  want = [t for t in dict.fromkeys(want) if SS.chain_depth(t) < t.size]
+  assert list(dec.engine.shape_set.trees) == want and want
+  assert dec.engine.span == max(t.size for t in want)
+  assert api.Decoder.load(model_dir, batch_size=2, k="auto",
+                          adaptive_trees=()).engine.shape_set.trees == ()
+  cfg = tiny_config()
+  mcfg, hcfg = cfg.model, cfg.heads
+  for dcfg, hc, field in [
+      (DecodeConfig(adaptive_trees=(WIDE,)), hcfg, "decode.adaptive"),
+      (DecodeConfig(adaptive=True, adaptive_trees=(WIDE,), drafter="ngram", k=3), hcfg,
+       "decode.drafter"),
+      (DecodeConfig(adaptive=True, adaptive_trees=(WIDE,), confidence_threshold=0.5), hcfg,
+       "decode.confidence_threshold"),
+      (DecodeConfig(adaptive=True, adaptive_trees=(WIDE,)), HeadsConfig(kind="sequential", num=4),
+       "heads.kind"),
+      (DecodeConfig(adaptive=True, adaptive_trees=(DEEP,), k=3), hcfg, "decode.adaptive_trees"),
+      (DecodeConfig(adaptive=True, adaptive_trees=(((0,), (0, 0)),)), hcfg,
+       "decode.adaptive_trees"),
+      (DecodeConfig(adaptive=True, adaptive_trees=(WIDE,), tree_rates=((0.5, 0.2),)), hcfg,
+       "decode.tree_rates")]:
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+      dcfg.resolve(mcfg, hc)

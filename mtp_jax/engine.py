@@ -203,9 +203,12 @@ class Engine:
     compiles; None for a fixed-k engine."""
     if not self.cfg.adaptive:
       return None
-    margin = self.cfg.adapt_margin
-    chains = adaptive.viable_ks(self.cost[:self.kd + 1], margin)
-    return self.shape_set.viable(self.cost, chains, margin)
+    key = tuple(float(c) for c in self.cost)
+    if getattr(self, "_ks", (None,))[0] != key:   # once per cost table, not per call
+      margin = self.cfg.adapt_margin
+      chains = adaptive.viable_ks(self.cost[:self.kd + 1], margin)
+      self._ks = key, self.shape_set.viable(self.cost, chains, margin)
+    return self._ks[1]
 
   def buckets(self, max_prompt_len: int | None = None) -> list[int]:
     top = self.bucket(max_prompt_len or self.cfg.max_len - self.span - 1)

@@ -296,9 +296,9 @@ class DecodeConfig:
       from mtp_jax import shapes  # a tree's checks live with the shapes
       tree = shapes.decode_tree(self, heads)
       k, span = tree.max_depth, tree.size
-    if self.adaptive_trees:
-      from mtp_jax import shape_set as shapes_set  # the checks live with the shape set
-      span = max(k, *(t.size for t in shapes_set.trees_of(self, heads, k)))
+    if self.adaptive_trees:   # checked here; a tree is chosen only where rows have room
+      from mtp_jax import shape_set
+      shape_set.trees_of(self, heads, k)
     reuse = self.reuse_module or (heads.kind == "sequential" and heads.num == 1 and k > 1
                                   and self.drafter == "heads")   # one module: the only way
     if self.reuse_module and (heads.kind != "sequential" or self.drafter != "heads"):
@@ -308,7 +308,7 @@ class DecodeConfig:
       _fail("decode.k", self.k, f"must be <= heads.num={heads.num}"
             + (" (or set decode.reuse_module)" if heads.kind == "sequential" else ""))
     if max_len <= span + 1:
-      _fail("decode.max_len", max_len, f"must be > {'tree nodes' if span > k else 'k'} + 1 = "
+      _fail("decode.max_len", max_len, f"must be > {'tree nodes' if self.tree else 'k'} + 1 = "
             f"{span + 1}")
     return dataclasses.replace(self, max_len=max_len, k=k, reuse_module=reuse,
                                prefill_rows=min(self.prefill_rows, self.batch_size))

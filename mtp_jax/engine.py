@@ -72,8 +72,9 @@ class Engine:
     self.tree = Tree(self.cfg.tree) if self.cfg.tree else None
     # Adaptive k's candidates: chains 0..Kd, then trees (shape_set.py).
     self.shape_set = shape_set.make(self.cfg, heads_cfg) if self.cfg.adaptive else None
-    trees = () if self.shape_set is None else self.shape_set.trees
-    self.span = max([self.kd] + [t.size for t in trees + ((self.tree,) if self.tree else ())])
+    # Adaptive k's trees do not widen it: a tree is chosen only where every row has room for
+    # it (Engine.allowed).
+    self.span = self.kd if self.tree is None else self.tree.size
     # Seconds per step for each shape (k = 0..Kd, then trees); until calibrated, equal costs
     # (the controller then only weighs expected tokens).
     self.cost = [1.0] * self.n_shapes
@@ -379,11 +380,24 @@ class Engine:
     fresh = state.drafts.n_fresh
     return jnp.where((fresh > 0) & (lim >= fresh), self.kd, lim).astype(jnp.int32)
 
+  def allowed(self, state: DecodeState, ks: tuple[int, ...]):
+    """-> [n_shapes] bool: the shapes of ks the controller may choose for the segment that
+    begins at state: a chain always (every row keeps Kd+1 positions free); a tree of T nodes
+    only where the longest active row, grown by Kd+1 tokens in each of the segment's other
+    steps, still has T positions past its last token (rows keep no room for adaptive k's trees,
+    so a long context keeps every position a chain can use)."""
+    n, kd = self.n_shapes, self.kd
+    size = np.asarray([self.shape(i).size for i in range(n)])
+    longest = jnp.max(jnp.where(state.rows.done, 0, state.rows.length))
+    reach = longest + (self.cfg.adapt_every - 1) * (kd + 1)
+    room = (jnp.arange(n) <= kd) | (reach + size <= self.cfg.max_len)
+    return jnp.isin(jnp.arange(n), jnp.asarray(ks)) & room
+
   def choose_k(self, state: DecodeState, ks: tuple[int, ...] | None = None):
     """The controller: k for the next step, on the device (adaptive.choose), one of ks
-    (default self.ks)."""
+    (default self.ks) that `allowed` leaves."""
     ks = self.ks if ks is None else ks
-    allowed = jnp.isin(jnp.arange(self.n_shapes), jnp.asarray(ks))
+    allowed = self.allowed(state, ks)
     return adaptive.choose(state, self.controller_limit(state), allowed, self.cfg.accept_window,
                            self.cfg.adapt_margin, self.shape_set)
 

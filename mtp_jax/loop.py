@@ -108,7 +108,7 @@ class Loop:
     chooses again: rows inserted since bring fresh drafts)."""
     c = st.controller
     cont = ((st.record.step % self.every > 0) & (c.seg_k > 0) & (c.k_force < 0)
-            & jnp.isin(c.seg_k, jnp.asarray(self.ks)))
+            & self.eng.allowed(st, self.ks)[c.seg_k])
     return jnp.where(cont, c.seg_k, self.eng.choose_k(st, self.ks))
 
   def drafting(self, state: DecodeState):

@@ -14,6 +14,7 @@ from mtp_jax import api
 from mtp_jax import engine as E
 from mtp_jax import shape_set as SS
 from mtp_jax import shapes as S
+from mtp_jax import tables as T
 from mtp_jax import tree_verify as TV
 from mtp_jax.config import ConfigError, DecodeConfig, HeadsConfig
 from tests.conftest import tiny_config
@@ -159,7 +160,7 @@ def test_auto_takes_the_models_trees_and_what_cannot_choose_a_tree_says_so(tiny_
   want = [S.tree_for(b, hnum, model_dir) for b in SS.ADAPTIVE_BUDGETS]
   want = [t for t in dict.fromkeys(want) if SS.chain_depth(t) < t.size]
   assert list(dec.engine.shape_set.trees) == want and want
-  assert dec.engine.span == max(t.size for t in want)
+  assert dec.engine.span == dec.engine.kd           # trees need room only when chosen
   assert api.Decoder.load(model_dir, batch_size=2, k="auto",
                           adaptive_trees=()).engine.shape_set.trees == ()
   cfg = tiny_config()
@@ -179,3 +180,43 @@ def test_auto_takes_the_models_trees_and_what_cannot_choose_a_tree_says_so(tiny_
        "decode.tree_rates")]:
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
       dcfg.resolve(mcfg, hc)
+
+
+@pytest.mark.slow
+def test_the_cost_table_has_an_entry_per_tree(tiny_model, tmp_path):  # noqa: F811
+  """Calibration times every chain and every tree (forced in turn); the chains' part is
+  non-decreasing, the table is stored under a key naming the trees and read back whole."""
+  dec = _auto(tiny_model, [1.0])
+  eng = dec.engine
+  path = str(tmp_path / "tables.json")
+  cost = dec.calibrate(path)
+  assert len(cost) == eng.n_shapes == eng.kd + 1 + 2 and all(c > 0 for c in cost)
+  assert np.all(np.diff(cost[:eng.kd + 1]) >= 0)
+  assert "|trees=" in T.table_key(eng) and "|trees=none" not in T.table_key(eng)
+  assert T.load_table(path, T.table_key(eng)) == cost
+  eng.cost = [1.0]
+  assert dec.calibrate(path) == cost                  # read back, not measured again
+
+
+def test_no_tree_where_a_row_lacks_room_for_it(tiny_model):  # noqa: F811
+  """Rows keep Kd + 1 positions free, not a tree's T + 1: near the cache's end the controller
+  leaves the trees out, and a row decodes to the last position a chain can use, exactly."""
+  (mcfg, hcfg, params, tok), cfg, _ = tiny_model
+  prompt = _prompts(cfg, tok, 1, seed=4)[0][:20]
+  chain = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=1, k=4, max_len=48))
+  want = chain.run([api.Request(prompt, 500)])[0]
+  dec = _auto(tiny_model, TREES_ONLY, max_len=48)
+  assert dec.engine.span == dec.engine.kd
+  got = dec.run([api.Request(prompt, 500)])[0]
+  assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
+  if got.finish_reason == "length":
+    assert len(prompt) + len(got.token_ids) == 48 - dec.engine.kd - 1
+  state = dec.engine.init_state()
+  state = state.replace(rows=state.rows.replace(done=state.rows.done.at[0].set(False),
+                                                length=state.rows.length.at[0].set(30)))
+  # 30 + 3 steps x 5 tokens = 45: WIDE's 8 nodes do not fit 48 positions, nor DEEP's 6.
+  assert np.asarray(dec.engine.allowed(state, dec.engine.ks)).tolist() == [
+      True, False, False, False, False, False, False]
+  state = state.replace(rows=state.rows.replace(length=state.rows.length.at[0].set(20)))
+  assert np.asarray(dec.engine.allowed(state, dec.engine.ks)).tolist() == [
+      True, False, False, False, False, True, True]

@@ -220,3 +220,26 @@ def test_no_tree_where_a_row_lacks_room_for_it(tiny_model):  # noqa: F811
   state = state.replace(rows=state.rows.replace(length=state.rows.length.at[0].set(20)))
   assert np.asarray(dec.engine.allowed(state, dec.engine.ks)).tolist() == [
       True, False, False, False, False, True, True]
+
+
+def test_chain_steps_of_ranked_drafts_are_lossless(tiny_model):  # noqa: F811
+  """Where a tree is viable every drafting step draws each head's candidates without
+  replacement (Gumbel top-k); a chain step then verifies rank 0 of them against the q they came
+  from. Forced to the chain of all heads, the 2nd and 3rd sampled tokens follow plain
+  sampling's distribution."""
+  (mcfg, hcfg, params, tok), cfg, _ = tiny_model
+  prompt = _prompts(cfg, tok, 1, seed=3)[0][:12]
+  plain = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=64, k=0, ring_size=8), tok.eod_id)
+  auto = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=64, adaptive=True, ring_size=8,
+                                           adaptive_trees=(WIDE, DEEP)), tok.eod_id)
+  auto.cost = EVERY_SHAPE
+  assert max(auto.ks) > auto.kd                      # trees compiled: drafts are ranked
+  init = auto.init_state
+  auto.init_state = lambda seed=0: auto.put(init(seed), k_force=auto.kd)
+  a, _ = sample_rounds(params, plain, prompt, 1.0, 1, 24, 64, 3, 4)
+  b, st = sample_rounds(params, auto, prompt, 1.0, 2, 24, 64, 3, 4)
+  assert st["acceptance_length"] > 1.1, st
+  pairs = lambda x: [f"{p},{q}" for p, q in x[:, 1:3]]
+  pvalue, n_cats, table = homogeneity(pairs(a), pairs(b))
+  assert n_cats >= 5, "too few categories for a meaningful test"
+  assert pvalue > 1e-4, (pvalue, table)

@@ -90,10 +90,10 @@ def _budget_bytes(params) -> int:
 def _slots(mcfg, hcfg, dcfg, params, num_requests: int, data: int = 1) -> int:
   """Explicit --batch_size, or the most slots whose decode state fits the budget (per device;
   with a mesh, slots spread over its `data` devices, so the budget is `data` times larger)."""
-  from mtp_jax import engine as engine_lib
+  from mtp_jax import memory
   if _BATCH.value != "auto":
     return int(_BATCH.value)
-  fit = engine_lib.max_slots(mcfg, hcfg, dcfg, _budget_bytes(params) * data)
+  fit = memory.max_slots(mcfg, hcfg, dcfg, _budget_bytes(params) * data)
   want = 1 << max(num_requests - 1, 0).bit_length()
   n = max(1, min(fit, want, _MAX_BATCH.value))
   return max(data, n // data * data)
@@ -152,7 +152,7 @@ def main(argv):
     sys.exit(f"mtp-infer: error: {e}")
   from mtp_jax import batch
   from mtp_jax import checkpoint as ckpt_lib
-  from mtp_jax import engine as engine_lib
+  from mtp_jax import memory
   from mtp_jax.config import ConfigError
   say = (lambda s: None) if _QUIET.value else (lambda s: print(s, file=sys.stderr, flush=True))
   try:
@@ -161,7 +161,7 @@ def main(argv):
     sys.exit(f"mtp-infer: error: {e}")
   eng = dec.engine
   say(f"mtp-infer: {eng.cfg.batch_size} slots of {eng.cfg.max_len} positions, k={_K.value}, "
-      f"decode state {engine_lib.state_bytes(eng.model_cfg, eng.heads_cfg, eng.cfg) / 2**20:.0f}"
+      f"decode state {memory.state_bytes(eng.model_cfg, eng.heads_cfg, eng.cfg) / 2**20:.0f}"
       " MiB")
   if eng.cfg.adaptive:
     say("mtp-infer: cost table of --k=auto (measured once per machine and slot count, up to a "

@@ -39,7 +39,7 @@ import numpy as np
 from mtp_jax import api
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import data as data_lib
-from mtp_jax import engine as engine_lib
+from mtp_jax import memory
 from mtp_jax import model as model_lib
 from mtp_jax import shape_set
 from mtp_jax import shapes
@@ -215,14 +215,14 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
         ttft = np.array([o.ttft_s for o in outs]) * 1e3
         tpot = np.array([(o.latency_s - o.ttft_s) / max(len(o.token_ids) - 1, 1)
                          for o in outs]) * 1e3
-        state_bytes = engine_lib.tree_bytes(jax.eval_shape(dec.engine.init_state))
+        state_bytes = memory.tree_bytes(jax.eval_shape(dec.engine.init_state))
         stats = jax.devices()[0].memory_stats() or {}
         runs[mode].append(Result(
             mode, b, n / dt, st["acceptance_length"], st["acceptance_rate_per_position"], n, dt,
             st["steps"], float(np.percentile(ttft, 50)), float(np.percentile(ttft, 99)),
             float(np.percentile(tpot, 50)), float(np.percentile(tpot, 99)),
             (tm["wall_s"] - tm["wait_s"]) / max(st["steps"], 1) * 1e6, compile_s[mode],
-            engine_lib.tree_bytes(dec.params) + state_bytes, stats.get("peak_bytes_in_use"),
+            memory.tree_bytes(dec.params) + state_bytes, stats.get("peak_bytes_in_use"),
             at_s=t0 + dt / 2 - t_first))
         done += 1
         tick(done, total, f"batch {b} {mode}: {n / dt:,.0f} tokens/s, acceptance "

@@ -14,7 +14,6 @@ max_new_tokens, or when the cache is full.
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +72,7 @@ class Engine:
     # Adaptive k's candidates: chains 0..Kd, then trees (shape_set.py).
     self.shape_set = shape_set.make(self.cfg, heads_cfg) if self.cfg.adaptive else None
     # Adaptive k's trees do not widen it: a tree is chosen only where every row has room for
-    # it (Engine.allowed).
+    # it (loop.allowed).
     self.span = self.kd if self.tree is None else self.tree.size
     # Seconds per step for each shape (k = 0..Kd, then trees); until calibrated, equal costs
     # (the controller then only weighs expected tokens).
@@ -370,43 +369,6 @@ class Engine:
     return step_lib.step(self.step_cfg, self.drafter_impl, m, dm, state, self.shape(k), sample,
                          n_draft, want_conf, ranked)
 
-  def controller_limit(self, state: DecodeState):
-    """Per row, the drafts the controller may expect it to verify: none without a fresh draft
-    (a plain step drafts nothing), the threshold's cut where it falls within the fresh drafts,
-    else all Kd: a probe drafts only the first head, and the positions past it are estimated
-    from the ring's rates and the prior (adaptive.estimate), as for any position that has no
-    draft yet."""
-    lim = step_lib.row_limit(self.step_cfg, state.drafts)
-    fresh = state.drafts.n_fresh
-    return jnp.where((fresh > 0) & (lim >= fresh), self.kd, lim).astype(jnp.int32)
-
-  def allowed(self, state: DecodeState, ks: tuple[int, ...]):
-    """-> [n_shapes] bool: the shapes of ks the controller may choose for the segment that
-    begins at state: a chain always (every row keeps Kd+1 positions free); a tree of T nodes
-    only where the longest active row, grown by Kd+1 tokens in each of the segment's other
-    steps, still has T positions past its last token (rows keep no room for adaptive k's trees,
-    so a long context keeps every position a chain can use)."""
-    n, kd = self.n_shapes, self.kd
-    size = np.asarray([self.shape(i).size for i in range(n)])
-    longest = jnp.max(jnp.where(state.rows.done, 0, state.rows.length))
-    reach = longest + (self.cfg.adapt_every - 1) * (kd + 1)
-    room = (jnp.arange(n) <= kd) | (reach + size <= self.cfg.max_len)
-    return jnp.isin(jnp.arange(n), jnp.asarray(ks)) & room
-
-  def choose_k(self, state: DecodeState, ks: tuple[int, ...] | None = None):
-    """The controller: k for the next step, on the device (adaptive.choose), one of ks
-    (default self.ks) that `allowed` leaves."""
-    ks = self.ks if ks is None else ks
-    allowed = self.allowed(state, ks)
-    return adaptive.choose(state, self.controller_limit(state), allowed, self.cfg.accept_window,
-                           self.cfg.adapt_margin, self.shape_set)
-
-  def worth_probing(self, state: DecodeState, ks: tuple[int, ...]):
-    """Whether a probe could lead the controller to draft (adaptive.worth_probing)."""
-    allowed = jnp.isin(jnp.arange(self.n_shapes), jnp.asarray(ks))
-    return adaptive.worth_probing(state, allowed, self.cfg.accept_window, self.cfg.adapt_margin,
-                                  self.shape_set)
-
   def _generate_impl(self, params, state: DecodeState, num_steps, refill, idle_steps,
                      sample: bool, ks: tuple[int, ...] | None = None):
     m, dm = self._bind(params)
@@ -429,28 +391,6 @@ class Engine:
     return self._generate(params, state, jnp.asarray(num_steps, jnp.int32),
                           jnp.asarray(refill, jnp.int32), jnp.asarray(idle_steps, jnp.float32),
                           sample=sample, ks=self.ks)
-
-
-def tree_bytes(tree) -> int:
-  """Bytes of a pytree of arrays or shapes (PRNG keys, a few bytes each, are left out)."""
-  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)
-                 if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)))
-
-
-def state_bytes(model_cfg: ModelConfig, heads_cfg: HeadsConfig, decode_cfg: DecodeConfig,
-                draft_model=None) -> int:
-  """Bytes of the decode state (KV caches, token buffer, drafts, ring, ...) for decode_cfg."""
-  eng = Engine(model_cfg, heads_cfg, decode_cfg, 0, draft_model)
-  return tree_bytes(jax.eval_shape(eng.init_state))
-
-
-def max_slots(model_cfg: ModelConfig, heads_cfg: HeadsConfig, decode_cfg: DecodeConfig,
-              budget_bytes: int) -> int:
-  """The largest slot count whose decode state fits budget_bytes (at least 1)."""
-  one = state_bytes(model_cfg, heads_cfg, dataclasses.replace(decode_cfg, batch_size=1))
-  two = state_bytes(model_cfg, heads_cfg, dataclasses.replace(decode_cfg, batch_size=2))
-  per_slot, fixed = two - one, 2 * one - two
-  return max(1, int((budget_bytes - fixed) // per_slot))
 
 
 def needs_sampling(temperature, penalty) -> bool:

@@ -5,7 +5,7 @@ k the controller chooses at the start of each (segments run across calls: the st
 where one is). A drafting step drafts its own k and the first draft's confidence (what the
 controller reads); where the controller raises k, the first step of the larger k verifies the
 drafts there are (n_fresh), and the controller estimates the positions past a row's fresh
-drafts from the rates and the prior (Engine.controller_limit). A plain segment drafts nothing,
+drafts from the rates and the prior (controller_limit). A plain segment drafts nothing,
 except a probe segment: its last two steps draft one head each, and a plain step holding a fresh
 draft checks it against the token it chose (step._shadow_check: what a step of one draft would
 have accepted, nothing committed), so that the controller sees real acceptance in the window and
@@ -38,12 +38,55 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from mtp_jax import adaptive
+from mtp_jax import step as step_lib
 from mtp_jax.state import DecodeState
 
 
 def _set_controller(state: DecodeState, **values) -> DecodeState:
   return state.replace(controller=state.controller.replace(**values))
+
+
+def controller_limit(eng, state: DecodeState):
+  """Per row, the drafts the controller may expect it to verify: none without a fresh draft
+  (a plain step drafts nothing), the threshold's cut where it falls within the fresh drafts,
+  else all Kd: a probe drafts only the first head, and the positions past it are estimated
+  from the ring's rates and the prior (adaptive.estimate), as for any position that has no
+  draft yet."""
+  lim = step_lib.row_limit(eng.step_cfg, state.drafts)
+  fresh = state.drafts.n_fresh
+  return jnp.where((fresh > 0) & (lim >= fresh), eng.kd, lim).astype(jnp.int32)
+
+
+def allowed(eng, state: DecodeState, ks: tuple[int, ...]):
+  """-> [n_shapes] bool: the shapes of ks the controller may choose for the segment that begins
+  at state: a chain always (every row keeps Kd+1 positions free); a tree of T nodes only where
+  the longest active row, grown by Kd+1 tokens in each of the segment's other steps, still has T
+  positions past its last token (rows keep no room for adaptive k's trees, so a long context
+  keeps every position a chain can use)."""
+  n, kd = eng.n_shapes, eng.kd
+  size = np.asarray([eng.shape(i).size for i in range(n)])
+  longest = jnp.max(jnp.where(state.rows.done, 0, state.rows.length))
+  reach = longest + (eng.cfg.adapt_every - 1) * (kd + 1)
+  room = (jnp.arange(n) <= kd) | (reach + size <= eng.cfg.max_len)
+  return jnp.isin(jnp.arange(n), jnp.asarray(ks)) & room
+
+
+def choose_k(eng, state: DecodeState, ks: tuple[int, ...], allowed_S=None):
+  """The controller's shape index for the segment, on the device (adaptive.choose), one of ks
+  that `allowed` leaves (allowed_S: already computed)."""
+  allowed_S = allowed(eng, state, ks) if allowed_S is None else allowed_S
+  return adaptive.choose(state, controller_limit(eng, state), allowed_S, eng.cfg.accept_window,
+                         eng.cfg.adapt_margin, eng.shape_set)
+
+
+def worth_probing(eng, state: DecodeState, ks: tuple[int, ...]):
+  """Whether a probe could lead the controller to draft (adaptive.worth_probing)."""
+  allowed_S = jnp.isin(jnp.arange(eng.n_shapes), jnp.asarray(ks))
+  return adaptive.worth_probing(state, allowed_S, eng.cfg.accept_window, eng.cfg.adapt_margin,
+                                eng.shape_set)
 
 
 class Loop:
@@ -107,9 +150,9 @@ class Loop:
     drafting segment continues it (k is chosen once per segment; inside a plain segment it
     chooses again: rows inserted since bring fresh drafts)."""
     c = st.controller
-    cont = ((st.record.step % self.every > 0) & (c.seg_k > 0) & (c.k_force < 0)
-            & self.eng.allowed(st, self.ks)[c.seg_k])
-    return jnp.where(cont, c.seg_k, self.eng.choose_k(st, self.ks))
+    ok_S = allowed(self.eng, st, self.ks)
+    cont = ((st.record.step % self.every > 0) & (c.seg_k > 0) & (c.k_force < 0) & ok_S[c.seg_k])
+    return jnp.where(cont, c.seg_k, choose_k(self.eng, st, self.ks, ok_S))
 
   def drafting(self, state: DecodeState):
     """Loop 1: one loop per drafting shape (k > 0, then trees), the largest index first.
@@ -124,7 +167,7 @@ class Loop:
         i, _, st = c
         st = self.eng.step(self.m, st, k, self.sample, self.eng.depth(k), dm=self.dm,
                            want_conf=True, ranked=self.ranked)
-        nk = jax.lax.cond(st.record.step % every == 0, lambda s: self.eng.choose_k(s, self.ks),
+        nk = jax.lax.cond(st.record.step % every == 0, lambda s: choose_k(self.eng, s, self.ks),
                           lambda s: k_, st)
         return i + 1, nk, st
       return body
@@ -150,7 +193,7 @@ class Loop:
     every, c = self.every, st.controller
     phase = st.record.step % every
     # No probe is due where none could lead to drafting (forced, or not worth_probing).
-    to_end = (c.k_force >= 0) | ~self.eng.worth_probing(st, self.ks)
+    to_end = (c.k_force >= 0) | ~worth_probing(self.eng, st, self.ks)
     run = (k == 0) & (to_end | (c.plain_segs + 1 < c.probe_gap))
     n_run = jnp.where(to_end, self.num_steps - i,
                       every * (c.probe_gap - 1 - c.plain_segs) - phase)
@@ -168,7 +211,7 @@ class Loop:
     k = self.choose(st)
     c = st.controller
     probe = ((k == 0) & (c.plain_segs + 1 >= c.probe_gap) & (c.k_force < 0)
-             & self.eng.worth_probing(st, self.ks))
+             & worth_probing(self.eng, st, self.ks))
     n_run = every - phase                      # steps to the end of the segment
     j, i, st = self.steps(self.zero, i, st, 0, 0, lambda j: probe & (j < n_run - 2),
                           want_conf=False)

@@ -56,10 +56,6 @@ class ShapeSet:
   def shape(self, i: int) -> Chain | Tree:
     return Chain(i) if i <= self.kd else self.trees[i - self.kd - 1]
 
-  def depth(self, i: int) -> int:
-    """The drafts a step of shape i may accept (heads it reads)."""
-    return i if i <= self.kd else self.trees[i - self.kd - 1].max_depth
-
   def share_KR(self) -> np.ndarray:
     """[Kd, R] rank r's share of head d's miss mass (rank 0: 0)."""
     out = np.zeros((self.kd, max(self.top_r, 1)), np.float32)

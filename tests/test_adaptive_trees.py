@@ -12,6 +12,7 @@ import pytest
 
 from mtp_jax import api
 from mtp_jax import engine as E
+from mtp_jax import loop as loop_lib
 from mtp_jax import shape_set as SS
 from mtp_jax import shapes as S
 from mtp_jax import tables as T
@@ -215,10 +216,10 @@ def test_no_tree_where_a_row_lacks_room_for_it(tiny_model):  # noqa: F811
   state = state.replace(rows=state.rows.replace(done=state.rows.done.at[0].set(False),
                                                 length=state.rows.length.at[0].set(30)))
   # 30 + 3 steps x 5 tokens = 45: WIDE's 8 nodes do not fit 48 positions, nor DEEP's 6.
-  assert np.asarray(dec.engine.allowed(state, dec.engine.ks)).tolist() == [
+  assert np.asarray(loop_lib.allowed(dec.engine, state, dec.engine.ks)).tolist() == [
       True, False, False, False, False, False, False]
   state = state.replace(rows=state.rows.replace(length=state.rows.length.at[0].set(20)))
-  assert np.asarray(dec.engine.allowed(state, dec.engine.ks)).tolist() == [
+  assert np.asarray(loop_lib.allowed(dec.engine, state, dec.engine.ks)).tolist() == [
       True, False, False, False, False, True, True]
 
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp_jax import adaptive
 from mtp_jax import ring as ring_lib
 
 
@@ -178,7 +179,12 @@ def measure_costs(engine, params, rel_err: float = 0.02, budget_s: float = 60.0,
   k (see monotone). One run's time on a shared machine is off by several percent, and a table
   off by 8% in c(3) / c(1) turns the controller to the wrong k: rounds go on until the
   standard error of every ratio is below rel_err, or budget_s has passed (after min_rounds).
-  -> (cost [K+1], {"rounds", "rel_se": the largest standard error of a ratio})."""
+  A tree that could not be chosen even at a cost two standard errors below its estimate
+  (ShapeSet.viable at the model's rates) is measured no further: its precision changes nothing,
+  and where a step of T+1 tokens costs far more than one (XLA:CPU) the trees would take most of
+  every round.
+  -> (cost [K+1], {"rounds", "rel_se": the largest standard error of a ratio still measured,
+  "dropped": the trees no longer measured})."""
   b, k1 = engine.cfg.batch_size, engine.n_shapes
   steps = min(steps, engine.cfg.ring_size)
   rng = np.random.default_rng(0)
@@ -197,22 +203,36 @@ def measure_costs(engine, params, rel_err: float = 0.02, budget_s: float = 60.0,
 
   for k in range(k1):                                # compiles / warms up
     one(k)
-  rows, se, start = [], float("inf"), time.perf_counter()
+  rows, se, start, live = [], float("inf"), time.perf_counter(), list(range(k1))
   while len(rows) < max_rounds:
-    order = range(k1) if len(rows) % 2 == 0 else range(k1 - 1, -1, -1)
-    row = [0.0] * k1
-    for k in order:
+    row = [float("nan")] * k1
+    for k in (live if len(rows) % 2 == 0 else live[::-1]):
       row[k] = one(k)
     rows.append(row)
     n = len(rows)
     if n >= min_rounds:
-      t = np.asarray(rows)                                       # [rounds, K+1]
-      lr = np.log(t[:, 1:] / t[:, :1])
-      # of a median; 0 for an engine without drafts (nothing to weigh against c(0))
-      se = float(np.max(1.2533 * lr.std(axis=0, ddof=1) / np.sqrt(n), initial=0.0))
+      if n >= 2:
+        t = np.asarray(rows)                                     # [rounds, shapes]
+        lr = np.log(t[:, 1:] / t[:, :1])
+        # of a median; 0 for an engine without drafts (nothing to weigh against c(0))
+        se_S = 1.2533 * np.nanstd(lr, axis=0, ddof=1) / np.sqrt(np.sum(~np.isnan(lr), 0))
+        keep = _still_viable(engine, t, se_S)
+        live = [k for k in live if k <= engine.kd or k in keep]
+        se = float(np.max(se_S[np.asarray(live[1:], int) - 1], initial=0.0))
       if se < rel_err or time.perf_counter() - start > budget_s:
         break
-  t = np.asarray(rows).T                                         # [K+1, rounds]
-  cost = [float(np.median(t[0]) * np.median(t[k] / t[0])) for k in range(k1)]
+  t = np.asarray(rows).T                                         # [shapes, rounds]
+  cost = [float(np.median(t[0]) * np.nanmedian(t[k] / t[0])) for k in range(k1)]
   cost = monotone(cost[:engine.kd + 1]) + cost[engine.kd + 1:]       # chains, then trees
-  return cost, {"rounds": len(rows), "rel_se": round(se, 4)}
+  return cost, {"rounds": len(rows), "rel_se": round(se, 4),
+                "dropped": [k for k in range(engine.kd + 1, k1) if k not in live]}
+
+
+def _still_viable(engine, t, se_S) -> tuple[int, ...]:
+  """The trees that ShapeSet.viable keeps at costs two standard errors below their estimates
+  (the chains' at their estimates), from the rounds so far t [rounds, shapes]."""
+  ratio = np.nanmedian(t / t[:, :1], axis=0)
+  kd, margin = engine.kd, engine.cfg.adapt_margin
+  low = np.concatenate([ratio[:kd + 1], ratio[kd + 1:] * np.exp(-2.0 * se_S[kd:])])
+  chains = adaptive.viable_ks(monotone(list(ratio[:kd + 1])), margin)
+  return engine.shape_set.viable(low, chains, margin)

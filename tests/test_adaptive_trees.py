@@ -67,6 +67,20 @@ def test_trees_are_viable_only_where_they_beat_every_chain():
   assert ss.viable([1.0, 1.01, 1.02, 1.03, 1.04], chains, 0.06) == chains
 
 
+def test_calibration_stops_timing_a_tree_that_cannot_be_chosen():
+  """A tree that loses to the chains even at a cost two standard errors below its estimate is
+  measured no further (tables._still_viable); one within reach of viability is kept."""
+  ss = SS.ShapeSet(kd=4, trees=(S.Tree.from_choices(WIDE), S.Tree.from_choices(WIDE)),
+                   rates=RATES)
+  eng = type("Eng", (), {"kd": 4, "shape_set": ss,
+                         "cfg": DecodeConfig(adaptive=True, adapt_margin=0.06)})()
+  ratio = np.asarray([1.0, 1.01, 1.02, 1.03, 1.04, 2.0, 1.05])
+  t = np.stack([ratio * 1e-3, ratio * 1.1e-3, ratio * 0.9e-3])        # [rounds, shapes]
+  assert T._still_viable(eng, t, np.full(6, 0.01)) == (0, 1, 2, 3, 4, 6)
+  # Uncertain enough that it may still cost what the chains do: kept.
+  assert T._still_viable(eng, t, np.full(6, 0.4)) == (0, 1, 2, 3, 4, 5, 6)
+
+
 def test_the_accepted_paths_rank_zero_prefix_and_the_depth_limit():
   tree = S.Tree.from_choices(WIDE)        # nodes (0,) (1,) (2,) (0,0) (0,1) (1,0) (0,0,0) (0,0,1)
   path = jnp.asarray([[0, 3, 6], [0, 4, -1], [1, 5, -1], [-1, -1, -1], [0, 3, 7]])
@@ -191,7 +205,7 @@ def test_the_cost_table_has_an_entry_per_tree(tiny_model, tmp_path):  # noqa: F8
   eng = dec.engine
   path = str(tmp_path / "tables.json")
   cost = dec.calibrate(path)
-  assert len(cost) == eng.n_shapes == eng.kd + 1 + 2 and all(c > 0 for c in cost)
+  assert len(cost) == eng.n_shapes == eng.kd + 1 + 2 and all(0 < c < np.inf for c in cost)
   assert np.all(np.diff(cost[:eng.kd + 1]) >= 0)
   assert "|trees=" in T.table_key(eng) and "|trees=none" not in T.table_key(eng)
   assert T.load_table(path, T.table_key(eng)) == cost

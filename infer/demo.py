@@ -33,7 +33,7 @@ _BATCH_MAX_NEW = flags.DEFINE_integer("batch_max_new_tokens", 96, "Tokens per ba
 _K = flags.DEFINE_integer("k", 3, "Drafts per step of the single-stream speculative decoder.")
 _REPEATS = flags.DEFINE_integer("repeats", 11, "Timed single-stream runs of each decoder.")
 _BATCH = flags.DEFINE_integer("batch_size", 16, "Slots of the batch job.")
-_BATCH_REPEATS = flags.DEFINE_integer("batch_repeats", 3, "Timed batch jobs of each decoder.")
+_BATCH_REPEATS = flags.DEFINE_integer("batch_repeats", 9, "Timed batch jobs of each decoder.")
 _OUT = flags.DEFINE_string("out", "out", "Directory for the batch jobs' outputs.")
 
 _T0 = time.perf_counter()
@@ -57,6 +57,12 @@ def _tokens_per_step(outs) -> float:
   """Tokens a row gets per decode step (the first token comes from prefill), as mtp-infer
   reports it."""
   return sum(len(o.token_ids) - 1 for o in outs) / max(sum(o.steps for o in outs), 1)
+
+
+def _spread(ratios: list[float]) -> tuple[float, float, float]:
+  """(median, lower quartile, upper quartile) of paired ratios."""
+  q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+  return statistics.median(ratios), q[0], q[-1]
 
 
 def _timed(dec, reqs):
@@ -87,7 +93,7 @@ def single_stream(model: str, prompts: list[str], max_len: int):
         plain_outs = outs
     same &= all(a.token_ids == b.token_ids for a, b in zip(spec_outs, plain_outs))
   tokens = sum(len(o.token_ids) for o in spec_outs)
-  ratio = statistics.median(p / s for p, s in zip(times["plain"], times["spec"]))
+  ratio = _spread([p / s for p, s in zip(times["plain"], times["spec"])])
   rows = [("plain greedy", 1, tokens / statistics.median(times["plain"]), 1.0, None, None),
           (f"speculative, k={spec.engine.kd}", 1, tokens / statistics.median(times["spec"]),
            _tokens_per_step(spec_outs), ratio, same)]
@@ -127,7 +133,7 @@ def batch_job(model: str, inp: str, max_len: int):
     for name in (("auto", "plain") if r % 2 == 0 else ("plain", "auto")):
       runs[name].append(_job(decs[name], inp, outs[name]))
   tps = {k: [s["tokens_per_s"] for s, _ in v] for k, v in runs.items()}
-  ratio = statistics.median(a / p for a, p in zip(tps["auto"], tps["plain"]))
+  ratio = _spread([a / p for a, p in zip(tps["auto"], tps["plain"])])
   same = all(a[1] == p[1] for a, p in zip(runs["auto"], runs["plain"]))
   acc = statistics.median(s["acceptance_length"] for s, _ in runs["auto"])
   return [("plain greedy, batch job", n, statistics.median(tps["plain"]), 1.0, None, None),
@@ -144,11 +150,12 @@ def sampled_example(spec, prompt: str, greedy_text: str):
 
 
 def table(rows) -> str:
-  head = f"{'mode':<28} {'slots':>5} {'tokens/s':>9} {'tokens/step':>11} {'speedup':>8} identical"
+  head = (f"{'mode':<28} {'slots':>5} {'tokens/s':>9} {'tokens/step':>11} "
+          f"{'speedup (IQR)':>19} identical")
   lines = [head, "-" * len(head)]
   for mode, slots, tps, tpstep, ratio, same in rows:
     lines.append(f"{mode:<28} {slots:>5} {tps:>9,.0f} {tpstep:>11.2f} "
-                 f"{'-' if ratio is None else f'{ratio:.2f}x':>8} "
+                 f"{'-' if ratio is None else '%.2fx (%.2f-%.2f)' % ratio:>19} "
                  f"{'-' if same is None else 'yes' if same else 'NO'}")
   return "\n".join(lines)
 
@@ -184,7 +191,7 @@ def main(argv):
                     max_len(_BATCH_PROMPTS.value, _BATCH_MAX_NEW.value))
   print("\n" + table(rows))
   print(f"\ntokens/s: median of the timed runs; speedup: median ratio to plain decoding in "
-        f"alternating runs; tokens/step: tokens a row gets per decode step. "
+        f"alternating runs (interquartile range); tokens/step: tokens a row gets per decode step. "
         f"{time.perf_counter() - _T0:.0f}s in all.\nTimings scatter by ~10% on a busy or shared "
         "CPU; the same batch job from the command line:\n  mtp-infer --model=pretrained/demo "
         f"--input={_BATCH_PROMPTS.value} --output=out/batch.jsonl --k=auto "

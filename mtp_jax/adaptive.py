@@ -28,7 +28,7 @@ where some k would beat plain decoding at each rate one standard error *above* i
 With trees among the candidates (shape_set.py) the same rule picks a shape: k indexes chains
 0..Kd, then trees, each with its cost table entry and its E[emitted] from the same rates.
 
-Once no request waits for a slot (Controller.closed, set by the host), the job ends with its
+Once no request will take a slot (`Engine.generate(closed=True)`), the job ends with its
 slowest row: the controller then minimises the expected end of the last row (choose_k_to_finish),
 each row's rate from its own counts since its insertion (Rows.cond_hits / cond_trials), shrunk
 towards the pooled estimate by as much as the rows' scatter says they are alike
@@ -55,8 +55,6 @@ class Controller:
   counts it reads are the ring's (DecodeState.record)."""
   cost: jax.Array          # [Kd+1] seconds per step with k drafts
   k_force: jax.Array       # [] -1: the controller chooses k; else this k (calibration)
-  closed: jax.Array        # [] bool: no request waits for a slot (the host says so): the end of
-                           # the job counts, not tokens per second
   probe_gap: jax.Array     # [] plain segments between probes (probe_every at the start,
                            # doubling while probes find nothing worth drafting; accept_window
                            # steps after k > 0)
@@ -67,20 +65,23 @@ class Controller:
                            # (-1: unknown)
 
 
-def init_controller(kd: int, cost, probe_every: int) -> Controller:
+def init_controller(kd: int, cost, probe_every: int, prior=None) -> Controller:
+  """prior [Kd]: the conditional acceptance per position earlier runs measured (default
+  unknown, -1)."""
+  prior = jnp.full((kd,), -1.0, jnp.float32) if prior is None else prior
   return Controller(
       cost=jnp.asarray(cost, jnp.float32), k_force=jnp.asarray(-1, jnp.int32),
-      closed=jnp.asarray(False),
       probe_gap=jnp.asarray(probe_every, jnp.int32), plain_segs=jnp.zeros((), jnp.int32),
-      seg_k=jnp.zeros((), jnp.int32), prior_rate=jnp.full((kd,), -1.0, jnp.float32))
+      seg_k=jnp.zeros((), jnp.int32), prior_rate=jnp.asarray(prior, jnp.float32))
 
 
-def choose(state, limit_B, allowed_S, window: int, margin: float, ss: ShapeSet | None = None):
+def choose(state, limit_B, allowed_S, window: int, margin: float, ss: ShapeSet | None = None,
+           closed=False):
   """The controller's shape for the next segment (an index of ss: k <= Kd a chain of k drafts,
   past it a tree), on the device, from the decode state (its ring, rows, drafts' confidences and
   the controller's own state); a forced index (k_force) becomes the largest allowed one not
   above it. limit_B: per row, the drafts it may be expected to verify (none without a fresh
-  draft)."""
+  draft). closed: no request will take a slot (the end of the job counts)."""
   c, rows = state.controller, state.rows
   kd = state.drafts.conf.shape[1]
   ss = ShapeSet(kd) if ss is None else ss
@@ -99,7 +100,7 @@ def choose(state, limit_B, allowed_S, window: int, margin: float, ss: ShapeSet |
   own_BK = jnp.where(cut, own_BK, 0.0)
   active = ~rows.done
   expected_S = jnp.sum(jnp.where(active[:, None], ss.expected(alpha_BK, cut), 0.0), 0)
-  k = jnp.where(c.closed,
+  k = jnp.where(closed,
                 choose_k_to_finish(c.cost, own_BK, active, rows.remaining, margin, allowed_S,
                                    ss.expected(own_BK, cut)),
                 choose_k(c.cost, expected_S, margin, allowed_S))

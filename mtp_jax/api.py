@@ -162,10 +162,8 @@ class Decoder:
     sampled_run = any(engine_lib.needs_sampling(r.temperature, r.repetition_penalty)
                       for r in requests)
     slots = _Slots(self, requests, on_done)
-    state = eng.init_state(self.seed)
     prior = self._earlier_acceptance(sampled_run)
-    if eng.cfg.adaptive and prior is not None:
-      state = eng.put(state, prior_rate=prior)
+    state = eng.init_state(self.seed, prior if eng.cfg.adaptive else None)
     state = self._decode(state, slots)
     self.last_stats = state_lib.stats(state)
     if eng.cfg.adaptive:     # the acceptance this run saw: the next run's prior (adaptive k)
@@ -183,18 +181,14 @@ class Decoder:
     drain = ring_lib.Drain()
     clock = refill_lib.RefillClock(eng.cfg.batch_size)
     state = slots.fill(state)
-    closed = None           # adaptive k: no request waits, so only the end of the job counts
     while slots.busy():
       state = slots.apply_cancel(state)
-      if eng.cfg.adaptive and closed != (not slots.queue):
-        closed = not slots.queue
-        state = eng.put(state, closed=closed)
       # While requests wait, the chunk ends once every waiting request has a free slot, or once
       # the freed slots' idleness outweighs a refill's cost (refill.py).
       clock.launch()
       state = eng.generate(self.params, state, sample=slots.sampling(),
                            refill=min(len(slots.queue), eng.cfg.batch_size),
-                           idle_steps=clock.idle_steps())
+                           idle_steps=clock.idle_steps(), closed=not slots.queue)
       slots.hand_over()                 # detokenise and write while the chunk runs
       if drain.pending:
         slots.collect(slots.timed(drain.finish))

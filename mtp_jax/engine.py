@@ -129,12 +129,14 @@ class Engine:
     c[:len(cost)] = np.asarray(cost, np.float32)[:self.n_shapes]
     return c
 
-  def init_state(self, seed: int = 0) -> DecodeState:
-    return self._init(jax.random.key(seed), self.cost_array(self.cost))
+  def init_state(self, seed: int = 0, prior=None) -> DecodeState:
+    """prior [Kd]: adaptive k's acceptance per draft position from earlier runs (-1 unknown)."""
+    prior = np.asarray([-1.0] * self.kd if prior is None else prior, np.float32)
+    return self._init(jax.random.key(seed), self.cost_array(self.cost), prior)
 
-  def _init_state_unplaced(self, key=None, cost=None) -> DecodeState:
+  def _init_state_unplaced(self, key=None, cost=None, prior=None) -> DecodeState:
     """The state of an engine with no rows (key: the base PRNG key, default key(0); cost: the
-    cost table, default self.cost)."""
+    cost table, default self.cost; prior: see init_state)."""
     b, s, kd, v = self.cfg.batch_size, self.cfg.max_len, self.kd, self.model_cfg.vocab_size
     zeros_b = jnp.zeros((b,), jnp.int32)
     zeros_k = jnp.zeros((kd,), jnp.int32)
@@ -156,7 +158,7 @@ class Engine:
     controller = None
     if self.cfg.adaptive:
       controller = adaptive.init_controller(
-          kd, self.cost_array(self.cost) if cost is None else cost, self.cfg.probe_every)
+          kd, self.cost_array(self.cost) if cost is None else cost, self.cfg.probe_every, prior)
     return DecodeState(rows=rows, drafts=drafts, caches=caches,
                        sampling=sampling.init_params(keys, b), record=record,
                        controller=controller)
@@ -369,19 +371,20 @@ class Engine:
     return step_lib.step(self.step_cfg, self.drafter_impl, m, dm, state, self.shape(k), sample,
                          n_draft, want_conf, ranked)
 
-  def _generate_impl(self, params, state: DecodeState, num_steps, refill, idle_steps,
+  def _generate_impl(self, params, state: DecodeState, num_steps, refill, idle_steps, closed,
                      sample: bool, ks: tuple[int, ...] | None = None):
     m, dm = self._bind(params)
-    run = loop_lib.Loop(self, m, dm, state, num_steps, refill, idle_steps, sample, ks)
+    run = loop_lib.Loop(self, m, dm, state, num_steps, refill, idle_steps, closed, sample, ks)
     return run.adaptive(state) if self.cfg.adaptive else run.fixed(state, self.kd, None)
 
   def generate(self, params, state: DecodeState, num_steps: int | None = None,
                sample: bool | None = None, refill: int = 0,
-               idle_steps: float = float("inf")) -> DecodeState:
+               idle_steps: float = float("inf"), closed: bool = False) -> DecodeState:
     """Runs up to num_steps (<= ring capacity) steps; `state` is donated. refill > 0 (requests
     wait for slots): stop after the step in which the refill-th row finishes, or once the rows
     finished in this call have stood idle idle_steps slot-steps in all (0: as soon as one
-    finishes; inf: no such limit); neither is a compiled variant."""
+    finishes; inf: no such limit); neither is a compiled variant. closed: no request will take a
+    slot any more: adaptive k plans the end of the job, not tokens per second."""
     num_steps = self.cfg.ring_size if num_steps is None else num_steps
     if not 0 < num_steps <= self.cfg.ring_size:
       raise ValueError(f"num_steps={num_steps} must be in 1..ring_size={self.cfg.ring_size}")
@@ -390,7 +393,7 @@ class Engine:
       sample = needs_sampling(np.asarray(sp.temperature), np.asarray(sp.penalty))
     return self._generate(params, state, jnp.asarray(num_steps, jnp.int32),
                           jnp.asarray(refill, jnp.int32), jnp.asarray(idle_steps, jnp.float32),
-                          sample=sample, ks=self.ks)
+                          jnp.asarray(closed, bool), sample=sample, ks=self.ks)
 
 
 def needs_sampling(temperature, penalty) -> bool:

@@ -74,12 +74,12 @@ def allowed(eng, state: DecodeState, ks: tuple[int, ...]):
   return jnp.isin(jnp.arange(n), jnp.asarray(ks)) & room
 
 
-def choose_k(eng, state: DecodeState, ks: tuple[int, ...], allowed_S=None):
+def choose_k(eng, state: DecodeState, ks: tuple[int, ...], closed, allowed_S=None):
   """The controller's shape index for the segment, on the device (adaptive.choose), one of ks
-  that `allowed` leaves (allowed_S: already computed)."""
+  that `allowed` leaves (allowed_S: already computed). closed: no request waits for a slot."""
   allowed_S = allowed(eng, state, ks) if allowed_S is None else allowed_S
   return adaptive.choose(state, controller_limit(eng, state), allowed_S, eng.cfg.accept_window,
-                         eng.cfg.adapt_margin, eng.shape_set)
+                         eng.cfg.adapt_margin, eng.shape_set, closed)
 
 
 def worth_probing(eng, state: DecodeState, ks: tuple[int, ...]):
@@ -92,12 +92,13 @@ def worth_probing(eng, state: DecodeState, ks: tuple[int, ...]):
 class Loop:
   """One traced generate call: the engine, the bound models and the call's arguments."""
 
-  def __init__(self, eng, m, dm, state: DecodeState, num_steps, refill, idle_steps,
+  def __init__(self, eng, m, dm, state: DecodeState, num_steps, refill, idle_steps, closed,
                sample: bool, ks):
     self.eng, self.m, self.dm, self.sample, self.ks = eng, m, dm, sample, ks
     # Drafts hold each head's top candidates only where a tree may verify them.
     self.ranked = ks is None or max(ks) > eng.kd
     self.num_steps, self.refill, self.idle_steps = num_steps, refill, idle_steps
+    self.closed = closed             # no request will take a slot: the end of the job counts
     self.done0, self.step0, self.row_steps0 = state.rows.done, state.record.step, state.rows.steps
     self.every = eng.cfg.adapt_every
     self.zero = jnp.zeros((), jnp.int32)
@@ -152,7 +153,7 @@ class Loop:
     c = st.controller
     ok_S = allowed(self.eng, st, self.ks)
     cont = ((st.record.step % self.every > 0) & (c.seg_k > 0) & (c.k_force < 0) & ok_S[c.seg_k])
-    return jnp.where(cont, c.seg_k, choose_k(self.eng, st, self.ks, ok_S))
+    return jnp.where(cont, c.seg_k, choose_k(self.eng, st, self.ks, self.closed, ok_S))
 
   def drafting(self, state: DecodeState):
     """Loop 1: one loop per drafting shape (k > 0, then trees), the largest index first.
@@ -167,8 +168,8 @@ class Loop:
         i, _, st = c
         st = self.eng.step(self.m, st, k, self.sample, self.eng.depth(k), dm=self.dm,
                            want_conf=True, ranked=self.ranked)
-        nk = jax.lax.cond(st.record.step % every == 0, lambda s: choose_k(self.eng, s, self.ks),
-                          lambda s: k_, st)
+        nk = jax.lax.cond(st.record.step % every == 0,
+                          lambda s: choose_k(self.eng, s, self.ks, self.closed), lambda s: k_, st)
         return i + 1, nk, st
       return body
 

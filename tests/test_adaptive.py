@@ -373,7 +373,8 @@ def test_adaptive_loop_writes_the_kv_cache_in_place(trained_tiny):
     b, s, g, h = state.caches.trunk.k[0].shape
     for sample in (False, True):
       hlo = eng._generate.lower(params, state, jnp.asarray(8, jnp.int32),
-                                jnp.asarray(0, jnp.int32), jnp.asarray(0.0), sample=sample,
+                                jnp.asarray(0, jnp.int32), jnp.asarray(0.0), jnp.asarray(False),
+                                sample=sample,
                                 ks=eng.ks).compile().as_text()
       copies = re.findall(rf"= f32\[{b},{s},{g},{h}\]\S* copy\(", hlo)
       assert hlo.count("while(") >= (2 * eng.kd + 2 if adaptive else 1)
@@ -394,7 +395,8 @@ def test_only_the_variants_that_can_pay_are_compiled(trained_tiny):
 
   def loops(eng):
     hlo = eng._generate.lower(params, eng.init_state(), jnp.asarray(8, jnp.int32),
-                              jnp.asarray(0, jnp.int32), jnp.asarray(0.0), sample=False,
+                              jnp.asarray(0, jnp.int32), jnp.asarray(0.0), jnp.asarray(False),
+                              sample=False,
                               ks=eng.ks).compile().as_text()
     return hlo.count("while(")
 

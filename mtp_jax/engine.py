@@ -14,7 +14,6 @@ max_new_tokens, or when the cache is full.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

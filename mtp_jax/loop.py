@@ -76,7 +76,7 @@ def allowed(eng, state: DecodeState, ks: tuple[int, ...]):
 
 def choose_k(eng, state: DecodeState, ks: tuple[int, ...], closed, allowed_S=None):
   """The controller's shape index for the segment, on the device (adaptive.choose), one of ks
-  that `allowed` leaves (allowed_S: already computed). closed: no request waits for a slot."""
+  that `allowed` leaves (allowed_S: already computed). closed: no request will take a slot."""
   allowed_S = allowed(eng, state, ks) if allowed_S is None else allowed_S
   return adaptive.choose(state, controller_limit(eng, state), allowed_S, eng.cfg.accept_window,
                          eng.cfg.adapt_margin, eng.shape_set, closed)

@@ -374,8 +374,7 @@ def test_adaptive_loop_writes_the_kv_cache_in_place(trained_tiny):
     for sample in (False, True):
       hlo = eng._generate.lower(params, state, jnp.asarray(8, jnp.int32),
                                 jnp.asarray(0, jnp.int32), jnp.asarray(0.0), jnp.asarray(False),
-                                sample=sample,
-                                ks=eng.ks).compile().as_text()
+                                sample=sample, ks=eng.ks).compile().as_text()
       copies = re.findall(rf"= f32\[{b},{s},{g},{h}\]\S* copy\(", hlo)
       assert hlo.count("while(") >= (2 * eng.kd + 2 if adaptive else 1)
       assert not copies, (adaptive, sample, copies[:3])
@@ -396,8 +395,7 @@ def test_only_the_variants_that_can_pay_are_compiled(trained_tiny):
   def loops(eng):
     hlo = eng._generate.lower(params, eng.init_state(), jnp.asarray(8, jnp.int32),
                               jnp.asarray(0, jnp.int32), jnp.asarray(0.0), jnp.asarray(False),
-                              sample=False,
-                              ks=eng.ks).compile().as_text()
+                              sample=False, ks=eng.ks).compile().as_text()
     return hlo.count("while(")
 
   dec = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, adaptive=True, ring_size=8,

@@ -135,12 +135,23 @@ def test_greedy_output_equals_plain_greedy_while_trees_are_chosen(tiny_model, pl
 def test_sampling_is_lossless_while_trees_are_chosen(tiny_model):  # noqa: F811
   """As the chain's test (tests/test_engine.py): the 2nd and 3rd sampled tokens, from steps the
   controller runs with the trees alone, follow plain sampling's distribution."""
+  _sampling_matches_plain(tiny_model, TREES_ONLY)
+
+
+def _sampling_matches_plain(tiny_model, cost, force_chain: bool = False):  # noqa: F811
+  """The 2nd and 3rd sampled tokens of an adaptive engine with trees (cost: its cost table;
+  force_chain: every step the chain of all heads) follow plain sampling's distribution
+  (two-sample chi-square, fails below p = 1e-4)."""
   (mcfg, hcfg, params, tok), cfg, _ = tiny_model
   prompt = _prompts(cfg, tok, 1, seed=3)[0][:12]
   plain = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=64, k=0, ring_size=8), tok.eod_id)
   auto = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=64, adaptive=True, ring_size=8,
                                            adaptive_trees=(WIDE, DEEP)), tok.eod_id)
-  auto.cost = TREES_ONLY
+  auto.cost = cost
+  if force_chain:
+    assert max(auto.ks) > auto.kd                    # trees compiled: drafts are ranked
+    init = auto.init_state
+    auto.init_state = lambda *a, **kw: auto.put(init(*a, **kw), k_force=auto.kd)
   a, _ = sample_rounds(params, plain, prompt, 1.0, 1, 24, 64, 3, 4)
   b, st = sample_rounds(params, auto, prompt, 1.0, 2, 24, 64, 3, 4)
   assert st["acceptance_length"] > 1.1, st
@@ -242,19 +253,4 @@ def test_chain_steps_of_ranked_drafts_are_lossless(tiny_model):  # noqa: F811
   replacement (Gumbel top-k); a chain step then verifies rank 0 of them against the q they came
   from. Forced to the chain of all heads, the 2nd and 3rd sampled tokens follow plain
   sampling's distribution."""
-  (mcfg, hcfg, params, tok), cfg, _ = tiny_model
-  prompt = _prompts(cfg, tok, 1, seed=3)[0][:12]
-  plain = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=64, k=0, ring_size=8), tok.eod_id)
-  auto = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=64, adaptive=True, ring_size=8,
-                                           adaptive_trees=(WIDE, DEEP)), tok.eod_id)
-  auto.cost = EVERY_SHAPE
-  assert max(auto.ks) > auto.kd                      # trees compiled: drafts are ranked
-  init = auto.init_state
-  auto.init_state = lambda seed=0: auto.put(init(seed), k_force=auto.kd)
-  a, _ = sample_rounds(params, plain, prompt, 1.0, 1, 24, 64, 3, 4)
-  b, st = sample_rounds(params, auto, prompt, 1.0, 2, 24, 64, 3, 4)
-  assert st["acceptance_length"] > 1.1, st
-  pairs = lambda x: [f"{p},{q}" for p, q in x[:, 1:3]]
-  pvalue, n_cats, table = homogeneity(pairs(a), pairs(b))
-  assert n_cats >= 5, "too few categories for a meaningful test"
-  assert pvalue > 1e-4, (pvalue, table)
+  _sampling_matches_plain(tiny_model, EVERY_SHAPE, force_chain=True)

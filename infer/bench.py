@@ -8,8 +8,9 @@ side in one run, with latency percentiles, host overhead, a roofline and a plot.
 
 Writes OUT/results.json ({"machine": ..., "results": [...]}), OUT/results.md and OUT/results.png;
 the table is printed when the run ends (rows also as each batch size finishes, with a progress
-bar on a terminal, on stderr). Flags are checked before any model is loaded. See
-mtp_jax/benchmark.py for what each column measures and how.
+bar on a terminal, on stderr; the roofline columns, probed after the runs, only in the final
+table). Flags are checked before any model is loaded. See mtp_jax/benchmark.py for what each
+column measures and how.
 """
 
 import os
@@ -107,7 +108,9 @@ def main(argv):
   from mtp_jax import checkpoint as ckpt_lib
   mesh_flags.initialize()
   say = (lambda s: None) if _QUIET.value else (lambda s: print(s, file=sys.stderr, flush=True))
-  machine = benchmark.machine_info(_ROOF.value)
+  # The roofs are probed after the runs: the accelerator's probe allocates 4 GiB, which would
+  # otherwise be every run's peak device memory.
+  machine = benchmark.machine_info(roofline=False)
   say(", ".join(f"{k}: {v}" for k, v in machine.items()))
   bar = None
 
@@ -130,6 +133,11 @@ def main(argv):
   finally:
     if bar is not None:
       bar.close()
+  if _ROOF.value:
+    machine.update(benchmark.roofs(machine["platform"]))
+    say(", ".join(f"{k}: {v}" for k, v in machine.items() if k.endswith("_s")))
+    for r in results:
+      benchmark.place_on_roofline(r, machine)
   print(benchmark.HEADER)
   print("\n".join(benchmark.format_row(r) for r in results), flush=True)
   if _OUT.value:

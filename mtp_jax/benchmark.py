@@ -47,7 +47,7 @@ from mtp_jax import sharding as sharding_lib
 from mtp_jax import widen as widen_lib
 from mtp_jax.config import Config, DecodeConfig
 from mtp_jax.prompts import heldout_prompts, load_prompts  # noqa: F401 (API)
-from mtp_jax.roofline import kv_read_positions, machine_info, step_cost  # noqa: F401 (API)
+from mtp_jax.roofline import kv_read_positions, machine_info, roofs, step_cost  # noqa: F401 (API)
 
 
 def parse_mode(mode: str) -> tuple[str, int | str]:
@@ -284,10 +284,17 @@ def _roofline(r: Result, dec, mcfg, hcfg, params, draft, machine, kv_positions=N
                             draft[2] if draft and eng.drafter == "model" else None,
                             draft[0] if draft else None, kv_positions)
   r.step_bytes, r.step_flops = nbytes, flops
-  if not machine or "memory_bandwidth_gb_s" not in machine or not r.steps:
+  place_on_roofline(r, machine)
+
+
+def place_on_roofline(r: Result, machine: dict | None):
+  """r's fraction of the machine's roofs (where they were measured) from its step's bytes and
+  FLOPs."""
+  if not machine or "memory_bandwidth_gb_s" not in machine or not r.steps or not r.step_bytes:
     return
   bw, peak = machine["memory_bandwidth_gb_s"] * 1e9, machine["matmul_gflop_s"] * 1e9
   steps_per_s = r.steps / r.seconds
+  nbytes, flops = r.step_bytes, r.step_flops
   intensity = flops / nbytes
   r.bandwidth_fraction = nbytes * steps_per_s / bw
   r.roofline_fraction = flops * steps_per_s / min(peak, intensity * bw)

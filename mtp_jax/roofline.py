@@ -92,10 +92,14 @@ def machine_info(roofline: bool = True) -> dict:
   if dev.platform == "cpu":
     info["last_level_cache_bytes"] = last_level_cache_bytes()
   if roofline:
-    bw, flops = measure_roofs(dev.platform)
-    info["memory_bandwidth_gb_s"] = round(bw / 1e9, 2)
-    info["matmul_gflop_s"] = round(flops / 1e9, 2)
+    info.update(roofs(dev.platform))
   return info
+
+
+def roofs(platform: str) -> dict:
+  """The machine's measured roofs, as machine_info reports them."""
+  bw, flops = measure_roofs(platform)
+  return {"memory_bandwidth_gb_s": round(bw / 1e9, 2), "matmul_gflop_s": round(flops / 1e9, 2)}
 
 
 def kv_read_positions(dcfg: DecodeConfig, prompt_len: int, new_tokens: int) -> float:

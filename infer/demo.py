@@ -173,7 +173,9 @@ def main(argv):
     checks.output_dir("out", _OUT.value)
   except checks.FlagError as e:
     sys.exit(f"mtp-demo: error: {e}")
+  from mtp_jax import cache_dir
   from mtp_jax import checkpoint as ckpt_lib
+  cache_dir.enable_compilation_cache()          # a second run loads its programs, not compiles
   say(f"loading {_MODEL.value}")
   mcfg, hcfg, _, tok = ckpt_lib.load_model_dir(_MODEL.value)
   prompts = [p["prompt"] for p in _prompts(_PROMPTS.value)]

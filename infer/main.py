@@ -150,9 +150,10 @@ def main(argv):
     check_flags()
   except checks.FlagError as e:
     sys.exit(f"mtp-infer: error: {e}")
-  from mtp_jax import batch
+  from mtp_jax import batch, cache_dir
   from mtp_jax import checkpoint as ckpt_lib
   from mtp_jax import memory
+  cache_dir.enable_compilation_cache()          # a second run loads its programs, not compiles
   from mtp_jax.config import ConfigError
   say = (lambda s: None) if _QUIET.value else (lambda s: print(s, file=sys.stderr, flush=True))
   try:

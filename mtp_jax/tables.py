@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax import adaptive
+from mtp_jax import adaptive, cache_dir
 from mtp_jax import ring as ring_lib
 
 
@@ -78,8 +78,7 @@ def table_key(engine) -> str:
 
 
 def default_table_path() -> str:
-  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-  return os.path.join(base, "mtp_jax", "cost_tables.json")
+  return os.path.join(cache_dir.root(), "cost_tables.json")
 
 
 def _load_entry(path: str, key: str):

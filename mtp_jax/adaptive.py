@@ -13,8 +13,9 @@ the counts of the ring's last accept_window steps, pooled over the rows, blended
 their number of trials (PRIOR_TRIALS pseudo-trials). Pooled conditional rates give the batch's
 expected tokens per step as it is, whatever the spread between rows: the share of row-steps whose
 first j drafts are accepted is the product of the conditional rates. The prior is the rate earlier
-runs of the same weights measured (tables.py stores it), else the head's confidence in the row's
-draft, and for a position never tried the estimate of the position before it.
+runs of the same weights measured (their counts pooled: api.Decoder; tables.py stores it), else
+the head's confidence in the row's draft, and for a position never tried the estimate of the
+position before it.
 
 Two guards keep the promise of never being slower than plain decoding where drafting does not
 clearly pay: each alpha is taken one standard error below its estimate (a k chosen because its

@@ -11,7 +11,6 @@ finishes, the slot is refilled by prefill + insert between generate calls.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import time
 import weakref
@@ -75,10 +74,11 @@ class Decoder:
     self.seed = seed
     self.last_stats: dict = {}
     # Acceptance per draft position that earlier runs measured, greedy (False) and sampled
-    # (True): the controller's prior.
+    # (True): the controller's prior; and the counts of this decoder's runs it pools.
     self._prior: dict[bool, list[float]] = {}
+    self._counts: dict[bool, np.ndarray] = {}     # [2, Kd] trials, hits summed over runs
     self._rates_path: str | None = None      # where runs' acceptance is stored (calibrate)
-    self._stored: set[bool] = set()          # greedy / sampled priors written by this decoder
+    self._stored: dict[bool, str] = {}       # greedy / sampled priors written: their keys
     self._fingerprint: str | None = None
     self.last_timing: dict = {}
 
@@ -219,23 +219,24 @@ class Decoder:
     return prior
 
   def _learn(self, sampled_run: bool, prior):
-    """Keeps the acceptance the last run saw (and stores it after calibrate)."""
+    """Keeps the acceptance of this decoder's runs so far, pooled (and stores it after
+    calibrate). Pooled, not the last run's: requests differ, and one hard request (a run at one
+    slot may hold only it) would otherwise set every later run's prior, until a prior low
+    enough that no probe is worth making keeps them all plain."""
     st = self.last_stats
-    rates = tables.run_rates(st["cond_trials"], st["cond_hits"])
+    counts = np.asarray([st["cond_trials"], st["cond_hits"]], np.float64)
+    counts = self._counts[sampled_run] = self._counts.get(sampled_run, 0.0) + counts
+    rates = tables.run_rates(counts[0], counts[1])
     prior = [r if r >= 0 else p for r, p in zip(rates, prior or rates)]
     self._prior[sampled_run] = prior
     # Stored for the next process: after this decoder's first run of each kind, then its last
-    # prior once the process exits (a file write per run is a few percent of a short run).
+    # prior once the decoder is collected or the process exits (a file write per run is a few
+    # percent of a short run).
     if self._rates_path and max(rates, default=-1.0) >= 0 and sampled_run not in self._stored:
       if not self._stored:
-        ref = weakref.ref(self)
-        atexit.register(lambda: ref() is not None and ref()._store_priors())
-      self._stored.add(sampled_run)
-      self._store_priors()
-
-  def _store_priors(self):
-    for sampled in self._stored:
-      tables.save_rates(self._rates_path, self._rates_key(sampled), self._prior[sampled])
+        weakref.finalize(self, _store_priors, self._rates_path, self._stored, self._prior)
+      self._stored[sampled_run] = self._rates_key(sampled_run)
+      _store_priors(self._rates_path, self._stored, self._prior)
 
   def _finish(self, req: Request, ids: list[int], steps: int) -> Completion:
     eod = self.tokenizer.eod_id
@@ -374,3 +375,8 @@ def _find_stop(text: str, stops) -> tuple[int, str | None]:
     if i >= 0 and (best < 0 or i < best):
       best, which = i, s
   return best, which
+
+
+def _store_priors(path: str, keys: dict[bool, str], priors: dict[bool, list[float]]):
+  for sampled, key in keys.items():
+    tables.save_rates(path, key, priors[sampled])

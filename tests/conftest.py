@@ -1,6 +1,9 @@
 """Shared fixtures: the tiny configuration and one trained tiny workdir per test session."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -9,6 +12,12 @@ from mtp_jax import config as config_lib
 from mtp_jax import train_lib
 
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
+# What mtp-jax keeps between runs (cost tables, stored acceptance, compiled programs: cache_dir)
+# goes to a directory of this test process, its CLIs' subprocesses included: nothing a user's
+# runs stored changes a test, and the tests store nothing in the user's home.
+_CACHE_HOME = tempfile.mkdtemp(prefix="mtp_jax_tests_")
+os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
+atexit.register(shutil.rmtree, _CACHE_HOME, True)
 
 
 def tiny_config(**sections) -> config_lib.Config:

@@ -2,6 +2,7 @@
 between steps without recompiles or any change of the output."""
 
 import contextlib
+import gc
 import logging
 import os
 import re
@@ -441,6 +442,33 @@ def test_rates_of_a_run_become_the_next_runs_prior():
   blend = 0.75 * 0.5 + 0.25 * 0.9
   np.testing.assert_allclose(np.asarray(alpha)[0], [se(blend, 48), se(blend, 48), se(0.9, 0)],
                              atol=1e-6)
+
+
+def test_the_prior_pools_the_counts_of_the_decoders_runs(trained_tiny, tmp_path):
+  """The next run's prior is the acceptance of all this decoder's runs, pooled by their trials:
+  one hard request (at one slot a run may hold only it) does not set every later run's prior.
+  It is stored after the first run, and again once the decoder is collected."""
+  _, workdir, _ = trained_tiny
+  mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
+  dec = api.Decoder(mcfg, hcfg, params, tok,
+                    DecodeConfig(batch_size=1, max_len=64, adaptive=True, ring_size=8))
+  assert dec.engine.kd == 4
+  path, key = str(tmp_path / "tables.json"), T.rates_key(dec.engine, "w", False)
+  dec._rates_path, dec._fingerprint = path, "w"                 # as calibrate sets them
+  runs = [([100, 90, 80, 70], [90, 80, 70, 60]),       # an easy request
+          ([40, 16, 4, 0], [16, 4, 0, 0])]            # a hard one: later positions unknown
+  dec.last_stats = dict(zip(("cond_trials", "cond_hits"), runs[0]))
+  dec._learn(False, None)
+  assert dec._prior[False] == T.run_rates(*runs[0])
+  dec.last_stats = dict(zip(("cond_trials", "cond_hits"), runs[1]))
+  dec._learn(False, dec._prior[False])
+  pooled = [106 / 140, 84 / 106, 70 / 84, 60 / 70]
+  np.testing.assert_allclose(dec._prior[False], pooled)
+  assert True not in dec._prior and True not in dec._counts        # sampled runs apart
+  assert T.load_rates(path, key) == pytest.approx(T.run_rates(*runs[0]), abs=1e-4)
+  del dec
+  gc.collect()
+  assert T.load_rates(path, key) == pytest.approx(pooled, abs=1e-4)
 
 
 @pytest.mark.slow

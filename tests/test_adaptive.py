@@ -429,10 +429,10 @@ def test_rates_of_a_run_become_the_next_runs_prior():
   # standard error over the prior's pseudo-trials).
   np.testing.assert_allclose(np.asarray(alpha), [[se(0.9, 0), se(0.8, 0), se(0.8, 0)]] * 2,
                              atol=1e-6)
-  # A head surer than the first position's prior keeps its confidence there.
+  # A known prior outweighs the head's confidence, however sure the head.
   sure = jnp.asarray([[0.95, 0.3, 0.3], [0.3] * 3])
   alpha = A.estimate(jnp.zeros((3,)), no_trials, sure, jnp.asarray([0.9, 0.8, -1.0]))
-  np.testing.assert_allclose(np.asarray(alpha)[:, 0], [se(0.95, 0), se(0.9, 0)], atol=1e-6)
+  np.testing.assert_allclose(np.asarray(alpha)[:, 0], [se(0.9, 0), se(0.9, 0)], atol=1e-6)
   # Without a prior, the heads' confidence.
   alpha = A.estimate(jnp.zeros((3,)), no_trials, conf, jnp.full((3,), -1.0))
   np.testing.assert_allclose(np.asarray(alpha), np.full((2, 3), se(0.3, 0)), atol=1e-6)

@@ -135,11 +135,8 @@ def row_prior_trials(hits_BK, trials_BK, active_B):
 def blend(rate_K, trials_K, conf_BK, prior_K):
   """-> [B, K]: per row and draft position, the window's rate blended with the prior by trials
   (PRIOR_TRIALS pseudo-trials). The prior: prior_K where known (>= 0), else the row's head
-  confidence at the first position and the estimate of the position before at later ones.
-  (A head surer than a known prior no longer keeps its confidence: the estimate carried it to
-  every later position too, and at 16 slots over 48 prompts rows with sure heads led to
-  segments of drafting that saved no steps, 0.85x of plain decoding against 0.96x without it;
-  at one slot over 8 prompts 1.09x faster without it, and alike on one prompt per slot.)"""
+  confidence at the first position and the estimate of the position before at later ones. A
+  known prior outweighs any confidence (why: docs/adaptive.md, "What each piece earned")."""
   lam_K = trials_K / (trials_K + PRIOR_TRIALS)
   cols, prev = [], conf_BK[:, 0]
   for i in range(conf_BK.shape[1]):

@@ -89,7 +89,7 @@ def choose(state, limit_B, allowed_S, window: int, margin: float, ss: ShapeSet |
   rate_K, trials_K = window_rates(state.record.ring, state.record.step, window, kd)
   pooled_BK = blend(rate_K, trials_K, state.drafts.conf, c.prior_rate)
   cut = jnp.arange(kd)[None] < limit_B[:, None]
-  alpha_BK = jnp.where(cut, lower(pooled_BK, trials_K + PRIOR_TRIALS), 0.0)
+  alpha_BK = jnp.where(cut, lower_blend(pooled_BK, trials_K, c.prior_rate), 0.0)
   # Once none waits, the job ends with its slowest row: each row's own counts since its
   # insertion (the pooled estimate their prior) and the spread of what it will realise
   # (finish_alpha). A window would forget which rows draft badly in a plain stretch.
@@ -171,10 +171,24 @@ def lower(alpha, n):
   return jnp.clip(alpha - jnp.sqrt(alpha * (1.0 - alpha) / n), 0.0, 1.0)
 
 
+def lower_blend(alpha_BK, trials_K, prior_K):
+  """One standard error below a blend (blend) of the window's rate over trials_K with a prior.
+  A known prior is a rate earlier runs measured over many more trials than the window holds: its
+  own error is negligible beside the window's, and the blend's is the window's weight times the
+  window's, lam sqrt(a (1 - a) / n) = sqrt(a (1 - a) n) / (n + PRIOR_TRIALS) (none before the
+  window holds a trial: a prior is no sample picked for looking high). Where the prior is a
+  guess (the head's confidence, or the position before's estimate), it counts as PRIOR_TRIALS
+  trials of its own: lower(a, n + PRIOR_TRIALS)."""
+  pq = alpha_BK * (1.0 - alpha_BK)
+  se_BK = jnp.where(prior_K >= 0, jnp.sqrt(pq * trials_K) / (trials_K + PRIOR_TRIALS),
+                    jnp.sqrt(pq / (trials_K + PRIOR_TRIALS)))
+  return jnp.clip(alpha_BK - se_BK, 0.0, 1.0)
+
+
 def estimate(rate_K, trials_K, conf_BK, prior_K):
   """-> [B, K]: the acceptance the controller counts on while requests wait: blend, less one
-  standard error over the window's trials plus the prior's."""
-  return lower(blend(rate_K, trials_K, conf_BK, prior_K), trials_K + PRIOR_TRIALS)
+  standard error (lower_blend)."""
+  return lower_blend(blend(rate_K, trials_K, conf_BK, prior_K), trials_K, prior_K)
 
 
 def row_window(ring: ring_lib.Ring, step, window: int, k_max: int):

@@ -18,13 +18,14 @@ the head's confidence in the row's draft, and for a position never tried the est
 position before it.
 
 Two guards keep the promise of never being slower than plain decoding where drafting does not
-clearly pay: each alpha is taken one standard error below its estimate (a k chosen because its
-estimate looked high would otherwise be chosen mostly where the estimate erred upwards, and the
-next steps then realise less), and k > 0 must beat plain decoding by adapt_margin (the cost
-table's own error). A plain segment drafts nothing, so probes (loop.py) check one draft against
-plain decoding's token now and then to keep the window's counts current; a probe is made only
-where some k would beat plain decoding at each rate one standard error *above* its estimate
-(worth_probing): where even that cannot pay, a probe costs the heads' work and changes nothing.
+clearly pay: each alpha is taken one standard error below its estimate (the window's error as it
+enters the blend, lower_blend: a k chosen because its estimate looked high would otherwise be
+chosen mostly where the estimate erred upwards, and the next steps then realise less), and k > 0
+must beat plain decoding by adapt_margin (the cost table's own error). A plain segment drafts
+nothing, so probes (loop.py) check one draft against plain decoding's token now and then to keep
+the window's counts current; a probe is made only where some k would beat plain decoding at each
+rate one standard error *above* its estimate (worth_probing): where even that cannot pay, a probe
+costs the heads' work and changes nothing.
 
 With trees among the candidates (shape_set.py) the same rule picks a shape: k indexes chains
 0..Kd, then trees, each with its cost table entry and its E[emitted] from the same rates.
@@ -89,7 +90,7 @@ def choose(state, limit_B, allowed_S, window: int, margin: float, ss: ShapeSet |
   rate_K, trials_K = window_rates(state.record.ring, state.record.step, window, kd)
   pooled_BK = blend(rate_K, trials_K, state.drafts.conf, c.prior_rate)
   cut = jnp.arange(kd)[None] < limit_B[:, None]
-  alpha_BK = jnp.where(cut, lower_blend(pooled_BK, trials_K, c.prior_rate), 0.0)
+  alpha_BK = jnp.where(cut, lower_blend(pooled_BK, trials_K), 0.0)
   # Once none waits, the job ends with its slowest row: each row's own counts since its
   # insertion (the pooled estimate their prior) and the spread of what it will realise
   # (finish_alpha). A window would forget which rows draft badly in a plain stretch.
@@ -166,29 +167,21 @@ def worth_probing(state, allowed_S, window: int, margin: float, ss: ShapeSet | N
   return choose_k(c.cost, ss.expected(jnp.stack(cols)), margin, allowed_S) > 0
 
 
-def lower(alpha, n):
-  """One (binomial) standard error below alpha, an estimate over n trials."""
-  return jnp.clip(alpha - jnp.sqrt(alpha * (1.0 - alpha) / n), 0.0, 1.0)
-
-
-def lower_blend(alpha_BK, trials_K, prior_K):
-  """One standard error below a blend (blend) of the window's rate over trials_K with a prior.
-  A known prior is a rate earlier runs measured over many more trials than the window holds: its
-  own error is negligible beside the window's, and the blend's is the window's weight times the
-  window's, lam sqrt(a (1 - a) / n) = sqrt(a (1 - a) n) / (n + PRIOR_TRIALS) (none before the
-  window holds a trial: a prior is no sample picked for looking high). Where the prior is a
-  guess (the head's confidence, or the position before's estimate), it counts as PRIOR_TRIALS
-  trials of its own: lower(a, n + PRIOR_TRIALS)."""
-  pq = alpha_BK * (1.0 - alpha_BK)
-  se_BK = jnp.where(prior_K >= 0, jnp.sqrt(pq * trials_K) / (trials_K + PRIOR_TRIALS),
-                    jnp.sqrt(pq / (trials_K + PRIOR_TRIALS)))
+def lower_blend(alpha_BK, trials_K):
+  """One standard error below a blend (blend) of the window's rate over trials_K with a prior:
+  the window's weight times the window's binomial error, lam sqrt(a (1 - a) / n) =
+  sqrt(a (1 - a) n) / (n + PRIOR_TRIALS). The guard is against the window's sampling error
+  (a k chosen on counts that look high); a prior is no sample picked for looking high: earlier
+  runs' rate, measured over far more trials than the window holds, or a guess (a head's
+  confidence, the position before's estimate). With no trial in the window: the prior."""
+  se_BK = jnp.sqrt(alpha_BK * (1.0 - alpha_BK) * trials_K) / (trials_K + PRIOR_TRIALS)
   return jnp.clip(alpha_BK - se_BK, 0.0, 1.0)
 
 
 def estimate(rate_K, trials_K, conf_BK, prior_K):
   """-> [B, K]: the acceptance the controller counts on while requests wait: blend, less one
   standard error (lower_blend)."""
-  return lower_blend(blend(rate_K, trials_K, conf_BK, prior_K), trials_K, prior_K)
+  return lower_blend(blend(rate_K, trials_K, conf_BK, prior_K), trials_K)
 
 
 def row_window(ring: ring_lib.Ring, step, window: int, k_max: int):

@@ -423,19 +423,17 @@ def test_rates_of_a_run_become_the_next_runs_prior():
   assert T.run_rates([100, 10], [80, 5]) == [0.8, -1.0]
   conf = jnp.full((2, 3), 0.3)
   no_trials = jnp.zeros((3,))
-  se = lambda a, n: a - np.sqrt(a * (1 - a) / (n + A.PRIOR_TRIALS))       # one standard error
   alpha = A.estimate(jnp.zeros((3,)), no_trials, conf, jnp.asarray([0.9, 0.8, -1.0]))
-  # Known positions take the prior as it is (a rate measured over many trials, no sample); an
-  # unknown one the estimate before it, a guess, less its standard error over the prior's
-  # pseudo-trials.
-  np.testing.assert_allclose(np.asarray(alpha), [[0.9, 0.8, se(0.8, 0)]] * 2, atol=1e-6)
+  # Known positions take the prior as it is, an unknown one the estimate before it: with no
+  # trial in the window, no sampling error to guard against.
+  np.testing.assert_allclose(np.asarray(alpha), [[0.9, 0.8, 0.8]] * 2, atol=1e-6)
   # A known prior outweighs the head's confidence, however sure the head.
   sure = jnp.asarray([[0.95, 0.3, 0.3], [0.3] * 3])
   alpha = A.estimate(jnp.zeros((3,)), no_trials, sure, jnp.asarray([0.9, 0.8, -1.0]))
   np.testing.assert_allclose(np.asarray(alpha)[:, 0], [0.9, 0.9], atol=1e-6)
   # Without a prior, the heads' confidence.
   alpha = A.estimate(jnp.zeros((3,)), no_trials, conf, jnp.full((3,), -1.0))
-  np.testing.assert_allclose(np.asarray(alpha), np.full((2, 3), se(0.3, 0)), atol=1e-6)
+  np.testing.assert_allclose(np.asarray(alpha), np.full((2, 3), 0.3), atol=1e-6)
   # The window's counts outweigh the prior as they grow, less the window's weight times its
   # standard error.
   alpha = A.estimate(jnp.asarray([0.5, 0.5, 0.5]), jnp.asarray([48.0, 48.0, 0.0]), conf,
@@ -445,7 +443,7 @@ def test_rates_of_a_run_become_the_next_runs_prior():
   np.testing.assert_allclose(np.asarray(alpha)[0], [blend - se_w, blend - se_w, 0.9], atol=1e-6)
 
 
-def test_a_measured_prior_alone_is_not_discounted_as_a_sample():
+def test_a_prior_alone_is_not_discounted_as_a_sample():
   """One slot after a plain stretch: the window holds no trials, and earlier runs measured
   0.77 / 0.79 / 0.86 (2.9 tokens a step with 3 drafts, at 2.43 plain steps' cost: 1.2x). Taken
   one standard error below over 16 pseudo-trials each (2.5 tokens), that would look no better
@@ -455,8 +453,8 @@ def test_a_measured_prior_alone_is_not_discounted_as_a_sample():
   prior, conf, active = jnp.asarray([0.77, 0.79, 0.86]), jnp.full((1, 3), 0.5), jnp.ones((1,), bool)
   alpha = A.estimate(jnp.zeros((3,)), jnp.zeros((3,)), conf, prior)
   assert int(A.choose_k(cost, A.expected_emitted(alpha, active), 0.06)) == 3
-  guessed = A.lower(jnp.broadcast_to(prior, (1, 3)), jnp.full((3,), A.PRIOR_TRIALS))
-  assert int(A.choose_k(cost, A.expected_emitted(guessed, active), 0.06)) == 0
+  as_sample = prior - np.sqrt(prior * (1 - prior) / A.PRIOR_TRIALS)
+  assert int(A.choose_k(cost, A.expected_emitted(as_sample[None], active), 0.06)) == 0
 
 
 def test_the_prior_pools_the_counts_of_the_decoders_runs(trained_tiny, tmp_path):

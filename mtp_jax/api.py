@@ -166,6 +166,11 @@ class Decoder:
     state = eng.init_state(self.seed, prior if eng.cfg.adaptive else None)
     state = self._decode(state, slots)
     self.last_stats = state_lib.stats(state)
+    # The rows' counters restart where a request takes a slot: the run's come from every request.
+    outs = [c for c in slots.results if c is not None]
+    row_steps = sum(c.steps for c in outs)
+    emitted = sum(round(c.acceptance_length * c.steps) for c in outs)
+    self.last_stats.update(row_steps=row_steps, acceptance_length=emitted / max(row_steps, 1))
     if eng.cfg.adaptive:     # the acceptance this run saw: the next run's prior (adaptive k)
       self._learn(sampled_run, prior)
     self.last_timing = {"wall_s": time.perf_counter() - slots.t_start, "wait_s": slots.wait}

@@ -103,7 +103,8 @@ class Prefix:
 
 
 def stats(state: DecodeState) -> dict:
-  """Acceptance statistics of the counters (host values)."""
+  """Acceptance statistics of the counters (host values). row_steps and acceptance_length are
+  the rows' now in the slots (api.Decoder.run replaces them with the whole run's)."""
   rec, rows = state.record, state.rows
   drafted, accepted = np.asarray(rec.drafted), np.asarray(rec.accepted)
   steps, emitted = np.asarray(rows.steps), np.asarray(rows.emitted)

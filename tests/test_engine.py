@@ -58,6 +58,10 @@ def test_greedy_speculative_equals_plain_greedy(tiny_model, k, threshold):
   st = spec.last_stats
   assert sum(st["accepted"]) > 0, "no draft was ever accepted: the test would prove nothing"
   assert any(r.acceptance_length > 1 for r in b)
+  # The run's counts are every request's (7 through 3 slots), not the last one's in each slot.
+  assert st["row_steps"] == sum(r.steps for r in b)
+  assert st["acceptance_length"] == pytest.approx(
+      sum(r.acceptance_length * r.steps for r in b) / st["row_steps"])
   # And both equal the independent reference implementation of greedy decoding.
   graphdef, _ = (spec.engine.graphdef, None)
   for p, m, r in zip(prompts, max_new, a):

@@ -289,9 +289,10 @@ class Engine:
     temperature = np.asarray(temperature, np.float32)
     penalty = np.ones_like(temperature) if penalty is None else np.asarray(penalty, np.float32)
     key = sampling.row_keys(key, len(prompts))
-    return self._prefill(params, jnp.asarray(arr), jnp.asarray(lengths, jnp.int32), key,
-                         jnp.asarray(temperature), jnp.asarray(top_k, jnp.int32),
-                         jnp.asarray(top_p, jnp.float32), jnp.asarray(penalty),
+    # Host values go to the jitted call as numpy arrays: a jnp.asarray each would be a device
+    # dispatch of its own (~50 us on a CPU host, several per call).
+    return self._prefill(params, arr, np.asarray(lengths, np.int32), key, temperature,
+                         np.asarray(top_k, np.int32), np.asarray(top_p, np.float32), penalty,
                          sample=needs_sampling(temperature, penalty))
 
   def _insert_impl(self, prefix: Prefix, state: DecodeState, slots, max_new, temperature, top_k,
@@ -338,15 +339,15 @@ class Engine:
              top_p, penalty=1.0) -> DecodeState:
     """Puts prefilled rows into slots (state donated). max_new counts the first token. A slot
     index >= batch_size drops its row (padding rows of a prefill call)."""
-    f = lambda x, d: jnp.asarray(np.broadcast_to(np.asarray(x), (len(slots),)), d)
-    return self._insert(prefix, state, f(slots, jnp.int32), f(max_new, jnp.int32),
-                        f(temperature, jnp.float32), f(top_k, jnp.int32), f(top_p, jnp.float32),
-                        f(penalty, jnp.float32))
+    f = lambda x, d: np.ascontiguousarray(np.broadcast_to(np.asarray(x, d), (len(slots),)))
+    return self._insert(prefix, state, f(slots, np.int32), f(max_new, np.int32),
+                        f(temperature, np.float32), f(top_k, np.int32), f(top_p, np.float32),
+                        f(penalty, np.float32))
 
   def cancel(self, state: DecodeState, mask) -> DecodeState:
     """Marks the rows where mask [B] is true as done (state donated): a row the host finished,
     e.g. on a stop string, stops using the device."""
-    return self._cancel(state, jnp.asarray(np.asarray(mask, bool)))
+    return self._cancel(state, np.asarray(mask, bool))
 
   # ------------------------------------------------------------------ the step
 
@@ -390,9 +391,8 @@ class Engine:
     if sample is None:
       sp = state.sampling
       sample = needs_sampling(np.asarray(sp.temperature), np.asarray(sp.penalty))
-    return self._generate(params, state, jnp.asarray(num_steps, jnp.int32),
-                          jnp.asarray(refill, jnp.int32), jnp.asarray(idle_steps, jnp.float32),
-                          jnp.asarray(closed, bool), sample=sample, ks=self.ks)
+    return self._generate(params, state, np.int32(num_steps), np.int32(refill),
+                          np.float32(idle_steps), np.bool_(closed), sample=sample, ks=self.ks)
 
 
 def needs_sampling(temperature, penalty) -> bool:

@@ -1,12 +1,17 @@
 """`make demo`: what speculative decoding with the model's MTP heads buys, measured side by side.
 
-  python -m infer.demo [--model=pretrained/demo] [--k=3] [--repeats=11] [--batch_size=16]
+  python -m infer.demo [--model=pretrained/demo] [--k=3] [--repeats=11] [--widen=2]
+                       [--batch_size=16]
 
 1. One stream (one slot: a person waiting for a completion): the prompts of --prompts (openings
    of standard-library functions the demo model's data split held out) decoded greedily with k
    drafts per step and plainly. After an untimed run each, --repeats timed runs alternate between
    the two (in swapped order every other repeat), and the speedup is the median of the paired
-   time ratios. The tokens must be identical.
+   time ratios. The tokens must be identical. Then the same with the model widened --widen times
+   (mtp_jax/widen.py: the same function and tokens, widen^2 times the weights): the demo's 15 MB
+   sit in this CPU's cache, where a step of k+1 tokens costs ~2.5 plain steps, while a real
+   model's step streams its weights from memory, as the widened one's does, and verifying k+1
+   tokens then costs little more than one.
 2. A batch job (mtp-infer's code path: batch.run_job) over --batch_prompts at --batch_size slots,
    where on a CPU drafting costs nearly as much as it saves: --k=auto against plain decoding,
    alternating the same way; adaptive k should hold at or above plain.
@@ -32,6 +37,8 @@ _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 192, "Tokens per single-stream
 _BATCH_MAX_NEW = flags.DEFINE_integer("batch_max_new_tokens", 96, "Tokens per batch-job row.")
 _K = flags.DEFINE_integer("k", 3, "Drafts per step of the single-stream speculative decoder.")
 _REPEATS = flags.DEFINE_integer("repeats", 11, "Timed single-stream runs of each decoder.")
+_WIDEN = flags.DEFINE_integer("widen", 2, "One stream again with the model widened this many "
+                               "times (the same tokens, bound by memory); 0 or 1 skips it.")
 _BATCH = flags.DEFINE_integer("batch_size", 16, "Slots of the batch job.")
 _BATCH_REPEATS = flags.DEFINE_integer("batch_repeats", 9, "Timed batch jobs of each decoder.")
 _OUT = flags.DEFINE_string("out", "out", "Directory for the batch jobs' outputs.")
@@ -71,16 +78,21 @@ def _timed(dec, reqs):
   return outs, time.perf_counter() - t0
 
 
-def single_stream(model: str, prompts: list[str], max_len: int):
-  """-> (rows of the table, the speculative decoder, its greedy completions)."""
+def single_stream(model: str, prompts: list[str], max_len: int, widen: int = 0):
+  """-> (rows of the table, the speculative decoder, its greedy completions). widen > 1: the
+  model widened that many times (benchmark.load_model's 'widen:N:DIR')."""
   from mtp_jax import api
-  spec = api.Decoder.load(model, batch_size=1, k=_K.value, max_len=max_len)
-  plain = api.Decoder.load(model, batch_size=1, k=0, max_len=max_len)
+  from mtp_jax import benchmark
+  from mtp_jax.config import DecodeConfig
+  loaded = benchmark.load_model(f"widen:{widen}:{model}" if widen > 1 else model)
+  make = lambda k: api.Decoder(*loaded, DecodeConfig(batch_size=1, k=k, max_len=max_len))
+  spec, plain = make(_K.value), make(0)
   reqs = [api.Request(spec.tokenizer.encode(p), _MAX_NEW.value) for p in prompts]
-  say(f"one stream: compiling, then a warm-up run of each decoder over {len(prompts)} prompts")
+  what = f"one stream, widened x{widen}" if widen > 1 else "one stream"
+  say(f"{what}: compiling, then a warm-up run of each decoder over {len(prompts)} prompts")
   _timed(spec, reqs)
   _timed(plain, reqs)
-  say(f"one stream: {_REPEATS.value} alternating timed runs of each")
+  say(f"{what}: {_REPEATS.value} alternating timed runs of each")
   times = {"spec": [], "plain": []}
   same = True
   for r in range(_REPEATS.value):
@@ -94,9 +106,10 @@ def single_stream(model: str, prompts: list[str], max_len: int):
     same &= all(a.token_ids == b.token_ids for a, b in zip(spec_outs, plain_outs))
   tokens = sum(len(o.token_ids) for o in spec_outs)
   ratio = _spread([p / s for p, s in zip(times["plain"], times["spec"])])
-  rows = [("plain greedy", 1, tokens / statistics.median(times["plain"]), 1.0, None, None),
-          (f"speculative, k={spec.engine.kd}", 1, tokens / statistics.median(times["spec"]),
-           _tokens_per_step(spec_outs), ratio, same)]
+  tag = f", widened x{widen}" if widen > 1 else ""
+  rows = [(f"plain greedy{tag}", 1, tokens / statistics.median(times["plain"]), 1.0, None, None),
+          (f"speculative, k={spec.engine.kd}{tag}", 1,
+           tokens / statistics.median(times["spec"]), _tokens_per_step(spec_outs), ratio, same)]
   return rows, spec, spec_outs
 
 
@@ -150,11 +163,11 @@ def sampled_example(spec, prompt: str, greedy_text: str):
 
 
 def table(rows) -> str:
-  head = (f"{'mode':<28} {'slots':>5} {'tokens/s':>9} {'tokens/step':>11} "
+  head = (f"{'mode':<38} {'slots':>5} {'tokens/s':>9} {'tokens/step':>11} "
           f"{'speedup (IQR)':>19} identical")
   lines = [head, "-" * len(head)]
   for mode, slots, tps, tpstep, ratio, same in rows:
-    lines.append(f"{mode:<28} {slots:>5} {tps:>9,.0f} {tpstep:>11.2f} "
+    lines.append(f"{mode:<38} {slots:>5} {tps:>9,.0f} {tpstep:>11.2f} "
                  f"{'-' if ratio is None else '%.2fx (%.2f-%.2f)' % ratio:>19} "
                  f"{'-' if same is None else 'yes' if same else 'NO'}")
   return "\n".join(lines)
@@ -170,6 +183,7 @@ def main(argv):
                        ("batch_size", _BATCH), ("max_new_tokens", _MAX_NEW),
                        ("batch_max_new_tokens", _BATCH_MAX_NEW), ("k", _K)):
       checks.number(name, flag.value, lo=1)
+    checks.number("widen", _WIDEN.value, lo=0)
     checks.output_dir("out", _OUT.value)
   except checks.FlagError as e:
     sys.exit(f"mtp-demo: error: {e}")
@@ -189,6 +203,9 @@ def main(argv):
   for p, o in zip(prompts[1:3], outs[1:3]):
     print("-" * 72 + f"\n(greedy, {_tokens_per_step([o]):.2f} tokens a step)\n{p}{_clip(o.text)}")
   sampled_example(spec, prompts[0], outs[0].text)
+  if _WIDEN.value > 1:
+    rows += single_stream(_MODEL.value, prompts, max_len(_PROMPTS.value, _MAX_NEW.value),
+                          _WIDEN.value)[0]
   rows += batch_job(_MODEL.value, _BATCH_PROMPTS.value,
                     max_len(_BATCH_PROMPTS.value, _BATCH_MAX_NEW.value))
   print("\n" + table(rows))

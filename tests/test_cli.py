@@ -94,6 +94,17 @@ def test_bench_empty_prompt_file(tmp_path, no_jax):
 
 
 @pytest.mark.parametrize("flags, expected", [
+    (["--widen=-1"], "--widen=-1: must be >= 0"),
+    (["--repeats=0"], "--repeats=0: must be >= 1"),
+])
+def test_demo_bad_flag(tmp_path, no_jax, flags, expected):
+  line = _run("infer.demo", [f"--model={MODEL}", f"--out={tmp_path / 'out'}", *flags],
+              f"{no_jax}{os.pathsep}{ROOT}")
+  assert line.startswith("mtp-demo: error: ") and expected in line, line
+  assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags, expected", [
     (["--config.train.stepz=5"], "--config.train.stepz=5: the config has no field 'stepz' "
                                  "(did you mean 'steps'?)"),
     (["--config.train.steps=abc"], "--config.train.steps=abc: invalid literal"),

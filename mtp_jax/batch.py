@@ -309,8 +309,9 @@ def run_job(decoder, input_path: str, output_path: str, defaults: Defaults, prog
                   decoder.engine.tree.name if decoder.engine.tree else decoder.engine.kd,
              "wall_s": round(wall, 3), "decode_wall_s": round(decode_wall, 3),
              "tokens_per_s": round(counts["tokens"] / decode_wall, 2) if served else 0.0,
-             # Per row step over every row of the job, as the progress line shows it (the
-             # decoder's stats are per slot, reset when a slot is refilled).
+             # Tokens written past each row's first, per row step, as the progress line shows
+             # it (Decoder.last_stats counts what the steps emitted, before EOD and stop strings
+             # cut a row).
              "acceptance_length": (round((counts["tokens"] - counts["completed"])
                                          / max(counts["decode_steps"], 1), 4)
                                    if served else None),

@@ -200,7 +200,7 @@ def test_cli_missing_model_or_input_is_one_clear_line(tmp_path):
 def test_job_killed_with_sigkill_resumes_exactly_once(trained_tiny, tmp_path):
   _, workdir, _ = trained_tiny
   inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-  n = 40
+  n = 160     # rows enough that the job cannot end between two polls once its programs are cached
   inp.write_text("".join(json.dumps({"id": f"r{i}", "prompt": p, "max_new_tokens": 24}) + "\n"
                          for i, p in enumerate(_prompts(n))))
   args = [f"--model={workdir}/model", f"--input={inp}", f"--output={out}", "--k=2",

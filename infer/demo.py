@@ -88,7 +88,8 @@ def single_stream(model: str, prompts: list[str], max_len: int, widen: int = 0):
   make = lambda k: api.Decoder(*loaded, DecodeConfig(batch_size=1, k=k, max_len=max_len))
   spec, plain = make(_K.value), make(0)
   reqs = [api.Request(spec.tokenizer.encode(p), _MAX_NEW.value) for p in prompts]
-  what = f"one stream, widened x{widen}" if widen > 1 else "one stream"
+  tag = f", widened x{widen}" if widen > 1 else ""
+  what = "one stream" + tag
   say(f"{what}: compiling, then a warm-up run of each decoder over {len(prompts)} prompts")
   _timed(spec, reqs)
   _timed(plain, reqs)
@@ -106,7 +107,6 @@ def single_stream(model: str, prompts: list[str], max_len: int, widen: int = 0):
     same &= all(a.token_ids == b.token_ids for a, b in zip(spec_outs, plain_outs))
   tokens = sum(len(o.token_ids) for o in spec_outs)
   ratio = _spread([p / s for p, s in zip(times["plain"], times["spec"])])
-  tag = f", widened x{widen}" if widen > 1 else ""
   rows = [(f"plain greedy{tag}", 1, tokens / statistics.median(times["plain"]), 1.0, None, None),
           (f"speculative, k={spec.engine.kd}{tag}", 1,
            tokens / statistics.median(times["spec"]), _tokens_per_step(spec_outs), ratio, same)]

@@ -20,18 +20,21 @@ segments): the turn to plain decoding is checked again once the rates that made 
 the window.
 
 An adaptive call runs top-level loops, in order, each step a fixed-k engine's own step:
-1. one loop per drafting shape of ks (k > 0, then adaptive k's trees), the largest index first, each running while the controller keeps to
-   its k (checked by a lax.cond where a segment ends);
+1. one loop per drafting shape of ks (k > 0, then adaptive k's trees), the largest index first,
+   each running while the controller keeps to its k (checked by a lax.cond where a segment ends);
 2. plain segments up to the start of the next probe segment: with no fresh drafts the controller
    can only choose 0 again;
 3. the probe loop: probe segments (plain steps, the last two drafting one head), while the
-   controller keeps to plain decoding; it stops where a drafting
-   segment or a plain run would begin;
+   controller keeps to plain decoding; it stops where a drafting segment or a plain run would
+   begin;
 4. that plain run, as in 2.
 The call ends where the controller raises k past the loops already run (the next call begins at
 loop 1). Why loops: a lax.switch over variants gives each branch a copy of every buffer it
 updates (the whole KV cache, every step); a while_loop updates its carry in place. Why at the top
-level: nested in a segment loop, the same steps ran 4-8% slower on XLA:CPU.
+level: nested in a segment loop, the same steps ran 4-8% slower on XLA:CPU. The controller is
+asked only where its answer can change what runs (a lax.cond around each evaluation): choose_k
+where a row holds fresh drafts (without one plain decoding is the cheapest shape), worth_probing
+where a probe is due within the call; a call inside a plain run asks nothing.
 """
 
 from __future__ import annotations
@@ -47,6 +50,13 @@ from mtp_jax.state import DecodeState
 
 def _set_controller(state: DecodeState, **values) -> DecodeState:
   return state.replace(controller=state.controller.replace(**values))
+
+
+def _lazily(ask, evaluate, default=False):
+  """evaluate() where ask, else default: the controller's evaluations (choose_k, worth_probing)
+  cost ~100 us a pair on XLA:CPU at 4 slots, about an eighth of a plain step, and a call inside
+  a plain run needs none."""
+  return jax.lax.cond(ask, evaluate, lambda: jnp.asarray(default))
 
 
 def controller_limit(eng, state: DecodeState):
@@ -153,7 +163,14 @@ class Loop:
     c = st.controller
     ok_S = allowed(self.eng, st, self.ks)
     cont = ((st.record.step % self.every > 0) & (c.seg_k > 0) & (c.k_force < 0) & ok_S[c.seg_k])
-    return jnp.where(cont, c.seg_k, choose_k(self.eng, st, self.ks, self.closed, ok_S))
+    # Without a fresh draft every shape expects one token a row, and only a shape that costs
+    # less than a plain step (by the margin) could be chosen: the controller is asked only where
+    # a row holds fresh drafts, k is forced, or the cost table has such a shape.
+    cheaper = jnp.any(c.cost[1:] * (1.0 + self.eng.cfg.adapt_margin) < c.cost[0])
+    ask = jnp.any(~st.rows.done & (st.drafts.n_fresh > 0)) | (c.k_force >= 0) | cheaper
+    chosen = _lazily(~cont & ask, lambda: choose_k(self.eng, st, self.ks, self.closed, ok_S),
+                     self.zero)
+    return jnp.where(cont, c.seg_k, chosen)
 
   def drafting(self, state: DecodeState):
     """Loop 1: one loop per drafting shape (k > 0, then trees), the largest index first.
@@ -193,11 +210,13 @@ class Loop:
     of the call). -> (i, st)"""
     every, c = self.every, st.controller
     phase = st.record.step % every
-    # No probe is due where none could lead to drafting (forced, or not worth_probing).
-    to_end = (c.k_force >= 0) | ~worth_probing(self.eng, st, self.ks)
+    # No probe is due where none could lead to drafting (forced, or not worth_probing); asked
+    # only where a probe is due within the call (else the run ends at the call's end either way).
+    to_probe = every * (c.probe_gap - 1 - c.plain_segs) - phase
+    ask = (k == 0) & (c.k_force < 0) & (i < self.num_steps) & (to_probe < self.num_steps - i)
+    to_end = (c.k_force >= 0) | ~_lazily(ask, lambda: worth_probing(self.eng, st, self.ks))
     run = (k == 0) & (to_end | (c.plain_segs + 1 < c.probe_gap))
-    n_run = jnp.where(to_end, self.num_steps - i,
-                      every * (c.probe_gap - 1 - c.plain_segs) - phase)
+    n_run = jnp.where(to_end, self.num_steps - i, to_probe)
     j, i, st = self.steps(self.zero, i, st, 0, 0, lambda j: run & (j < n_run), want_conf=False)
     c = st.controller
     return i, _set_controller(st, plain_segs=c.plain_segs + (phase + j) // every,
@@ -211,8 +230,8 @@ class Loop:
     phase = st.record.step % every
     k = self.choose(st)
     c = st.controller
-    probe = ((k == 0) & (c.plain_segs + 1 >= c.probe_gap) & (c.k_force < 0)
-             & worth_probing(self.eng, st, self.ks))
+    due = (k == 0) & (c.plain_segs + 1 >= c.probe_gap) & (c.k_force < 0)
+    probe = due & _lazily(due, lambda: worth_probing(self.eng, st, self.ks))
     n_run = every - phase                      # steps to the end of the segment
     j, i, st = self.steps(self.zero, i, st, 0, 0, lambda j: probe & (j < n_run - 2),
                           want_conf=False)

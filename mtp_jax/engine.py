@@ -243,9 +243,9 @@ class Engine:
   def _bind(self, params):
     """-> (target model, draft model or None)."""
     if self.cfg.drafter == "model":
-      return (model_lib.bind(self.graphdef, params[0]),
-              model_lib.bind(self.draft_graphdef, params[1]))
-    return model_lib.bind(self.graphdef, params), None
+      return (model_lib.for_decoding(model_lib.bind(self.graphdef, params[0])),
+              model_lib.for_decoding(model_lib.bind(self.draft_graphdef, params[1])))
+    return model_lib.for_decoding(model_lib.bind(self.graphdef, params)), None
 
   # ------------------------------------------------------------------ prefill / insert
 

@@ -108,3 +108,24 @@ def test_gqa_shapes_and_param_count():
   _, abstract = M.abstract(cfg.model, cfg.heads)
   assert M.count_params(abstract) == M.count_params(params)
   assert "unembed_DV" not in params["trunk"]
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_decoding_view_gives_the_model_logits(tie):
+  """for_decoding (what a decode call binds): a tied model on CPU unembeds products of several
+  rows from a [D, V] copy, one row from the embedding itself; the logits are the model's."""
+  cfg, m = _model(tie)
+  graphdef, params = M.split(m)
+  h = jax.random.normal(jax.random.key(3), (3, 4, cfg.model.d_model), jnp.float32)
+
+  @jax.jit
+  def both(params, h_xD):
+    d = M.for_decoding(M.bind(graphdef, params))
+    return d.logits(h_xD), M.bind(graphdef, params).logits(h_xD), hasattr(d.trunk, "tied_DV")
+
+  for h_xD in (h, h[:1, :1], h[0]):
+    view, model, copied = both(params, h_xD)
+    assert copied == (tie and jax.default_backend() == "cpu")
+    np.testing.assert_allclose(np.asarray(view), np.asarray(model), atol=1e-5, rtol=1e-5)
+  view, model, _ = both(params, h[:1, :1])                    # one row: the same product
+  np.testing.assert_array_equal(np.asarray(view), np.asarray(model))

@@ -240,19 +240,20 @@ class Engine:
     jax.block_until_ready(state)
     return len(buckets)
 
-  def _bind(self, params):
-    """-> (target model, draft model or None)."""
+  def _bind(self, params, rows: int):
+    """-> (target model, draft model or None), as a call of `rows` rows runs them
+    (model.for_decoding)."""
     if self.cfg.drafter == "model":
-      return (model_lib.for_decoding(model_lib.bind(self.graphdef, params[0])),
-              model_lib.for_decoding(model_lib.bind(self.draft_graphdef, params[1])))
-    return model_lib.for_decoding(model_lib.bind(self.graphdef, params)), None
+      return (model_lib.for_decoding(model_lib.bind(self.graphdef, params[0]), rows),
+              model_lib.for_decoding(model_lib.bind(self.draft_graphdef, params[1]), rows))
+    return model_lib.for_decoding(model_lib.bind(self.graphdef, params), rows), None
 
   # ------------------------------------------------------------------ prefill / insert
 
   def _prefill_impl(self, params, tokens_NP, length_N, key, temperature, top_k, top_p, penalty,
                     sample: bool):
-    m, dm = self._bind(params)
     n, p = tokens_NP.shape
+    m, dm = self._bind(params, n)
     cache = kv.init_cache(self.model_cfg, n, p, *self.cache_args)
     h, cache = m(tokens_NP, jnp.broadcast_to(jnp.arange(p), (n, p)), cache)
     h_last = jnp.take_along_axis(h, (length_N - 1)[:, None, None], axis=1)[:, 0]
@@ -373,7 +374,7 @@ class Engine:
 
   def _generate_impl(self, params, state: DecodeState, num_steps, refill, idle_steps, closed,
                      sample: bool, ks: tuple[int, ...] | None = None):
-    m, dm = self._bind(params)
+    m, dm = self._bind(params, self.cfg.batch_size)
     run = loop_lib.Loop(self, m, dm, state, num_steps, refill, idle_steps, closed, sample, ks)
     return run.adaptive(state) if self.cfg.adaptive else run.fixed(state, self.kd, None)
 

@@ -191,10 +191,8 @@ class Trunk(nnx.Module):
     h = h_xD.astype(jnp.float32)
     if self.cfg.tie_embeddings:
       tied_DV = getattr(self, "tied_DV", None)     # set by `for_decoding`
-      if tied_DV is not None and math.prod(h.shape[:-1]) > 1:
-        logits = jnp.einsum("...D,DV->...V", h, tied_DV)
-      else:
-        logits = jnp.einsum("...D,VD->...V", h, self.embed_VD[...].astype(jnp.float32))
+      logits = (jnp.einsum("...D,VD->...V", h, self.embed_VD[...].astype(jnp.float32))
+                if tied_DV is None else jnp.einsum("...D,DV->...V", h, tied_DV))
       # Native models: scale so that logits start at unit scale although embeddings have unit
       # variance.
       return logits * self.cfg.d_model ** -0.5 if self.cfg.tied_logits_scale else logits
@@ -253,14 +251,17 @@ def bind(graphdef, params) -> MTPModel:
   return nnx.merge(graphdef, params)
 
 
-def for_decoding(m: MTPModel) -> MTPModel:
-  """The bound model a decode call runs (inside the traced call): on XLA:CPU a tied model's
-  unembedding reads a [D, V] copy of the embedding, made once per call. XLA:CPU's dot repacks a
-  transposed [V, D] right operand at every product of several rows: at the demo's size
-  (4096 x 256) a product of 4 rows took 147 us against 83 us from the copy, of 8 rows 183 against
-  126 (docs/decoding.md, The tied unembedding on CPU). GPUs read either layout as it is, and the
-  copy would cost their memory: elsewhere the model is returned as it is."""
-  if m.cfg.tie_embeddings and jax.default_backend() == "cpu":
+def for_decoding(m: MTPModel, rows: int) -> MTPModel:
+  """The bound model a decode call runs (inside the traced call), whose products have `rows`
+  rows or more (its slots). On XLA:CPU, with two rows or more, a tied model unembeds from a
+  [D, V] copy of the embedding made once per call: XLA:CPU's GEMM repacks a transposed [V, D]
+  right operand at every product of several rows (at the demo's size, 4096 x 256, a product of
+  4 rows took 147 us against 83 us from the copy; docs/decoding.md, The tied unembedding on
+  CPU). A product of one row is XLA:CPU's GEMV, which reads [V, D] as it lies; one slot keeps
+  it, as a call reading both layouts reads twice the bytes (one slot's steps of one draft ran
+  11% slower so). GPUs read either layout, and the copy would cost their memory: elsewhere the
+  model is returned as it is."""
+  if m.cfg.tie_embeddings and rows > 1 and jax.default_backend() == "cpu":
     w_VD = m.trunk.embed_VD[...].astype(jnp.float32)
     m.trunk.tied_DV = jax.lax.optimization_barrier(jnp.transpose(w_VD))
   return m

@@ -23,9 +23,9 @@ from mtp_jax import cache as kv
 from mtp_jax import drafters
 from mtp_jax import loop as loop_lib
 from mtp_jax import model as model_lib
-from mtp_jax import ring as ring_lib
 from mtp_jax import sampling
 from mtp_jax import shape_set
+from mtp_jax import state as state_lib
 from mtp_jax import step as step_lib
 from mtp_jax import tables
 from mtp_jax.config import DecodeConfig, HeadsConfig, ModelConfig
@@ -136,31 +136,8 @@ class Engine:
   def _init_state_unplaced(self, key=None, cost=None, prior=None) -> DecodeState:
     """The state of an engine with no rows (key: the base PRNG key, default key(0); cost: the
     cost table, default self.cost; prior: see init_state)."""
-    b, s, kd, v = self.cfg.batch_size, self.cfg.max_len, self.kd, self.model_cfg.vocab_size
-    zeros_b = jnp.zeros((b,), jnp.int32)
-    zeros_k = jnp.zeros((kd,), jnp.int32)
-    rows = Rows(tokens=jnp.zeros((b, s), jnp.int32), length=jnp.ones((b,), jnp.int32),
-                prompt_len=jnp.ones((b,), jnp.int32), stop_len=jnp.ones((b,), jnp.int32),
-                done=jnp.ones((b,), bool), steps=zeros_b, emitted=zeros_b,
-                cond_trials=jnp.zeros((b, kd), jnp.int32), cond_hits=jnp.zeros((b, kd), jnp.int32))
-    draft_BK = (b, kd) if not self.top_r else (b, kd, self.top_r)   # trees: [B, Kd, R]
-    drafts = Drafts(tokens=jnp.zeros(draft_BK, jnp.int32),
-                    logq=jnp.zeros((b, kd, v), jnp.float32),
-                    conf=jnp.zeros((b, kd), jnp.float32), n_fresh=zeros_b)
-    draft, seq_h = self.drafter_impl.init_cache(b, s)
-    caches = Caches(trunk=kv.init_cache(self.model_cfg, b, s, *self.cache_args), draft=draft,
-                    seq_h=seq_h)
-    keys = jax.random.split(jax.random.key(0) if key is None else key, b)
-    record = Record(ring=ring_lib.init_ring(self.cfg.ring_size, b, kd),
-                    step=jnp.zeros((), jnp.int32), drafted=zeros_k, accepted=zeros_k,
-                    cond_trials=zeros_k, cond_hits=zeros_k)
-    controller = None
-    if self.cfg.adaptive:
-      controller = adaptive.init_controller(
-          kd, self.cost_array(self.cost) if cost is None else cost, self.cfg.probe_every, prior)
-    return DecodeState(rows=rows, drafts=drafts, caches=caches,
-                       sampling=sampling.init_params(keys, b), record=record,
-                       controller=controller)
+    cost = self.cost_array(self.cost) if cost is None else cost
+    return state_lib.initial(self, jax.random.key(0) if key is None else key, cost, prior)
 
   @staticmethod
   def put(state: DecodeState, **values) -> DecodeState:
@@ -240,20 +217,33 @@ class Engine:
     jax.block_until_ready(state)
     return len(buckets)
 
-  def _bind(self, params, rows: int):
-    """-> (target model, draft model or None), as a call of `rows` rows runs them
-    (model.for_decoding)."""
+  def _bind(self, params, unembed):
+    """-> (target model, draft model or None) as a decode call runs them, unembed the copies
+    `self.unembed` made (model.for_decoding)."""
     if self.cfg.drafter == "model":
-      return (model_lib.for_decoding(model_lib.bind(self.graphdef, params[0]), rows),
-              model_lib.for_decoding(model_lib.bind(self.draft_graphdef, params[1]), rows))
-    return model_lib.for_decoding(model_lib.bind(self.graphdef, params), rows), None
+      return (model_lib.for_decoding(model_lib.bind(self.graphdef, params[0]), unembed[0]),
+              model_lib.for_decoding(model_lib.bind(self.draft_graphdef, params[1]), unembed[1]))
+    return model_lib.for_decoding(model_lib.bind(self.graphdef, params), unembed[0]), None
+
+  def unembed(self, params):
+    """The [D, V] copies of tied embeddings that this engine's calls unembed from
+    (model.unembed_copy; None where none is made), one per model: made when params are first
+    seen (their embeddings compared by identity) and kept for the calls that follow."""
+    pairs = ([(self.model_cfg, params[0]), (self.draft_cfg[0], params[1])]
+             if self.cfg.drafter == "model" else [(self.model_cfg, params)])
+    src = tuple(p["trunk"]["embed_VD"] for _, p in pairs)
+    made = getattr(self, "_unembed", None)
+    if made is None or any(a is not b for a, b in zip(made[0], src)):
+      copies = tuple(model_lib.unembed_copy(c, p, self.cfg.batch_size) for c, p in pairs)
+      self._unembed = made = src, copies
+    return made[1]
 
   # ------------------------------------------------------------------ prefill / insert
 
-  def _prefill_impl(self, params, tokens_NP, length_N, key, temperature, top_k, top_p, penalty,
-                    sample: bool):
+  def _prefill_impl(self, params, unembed, tokens_NP, length_N, key, temperature, top_k, top_p,
+                    penalty, sample: bool):
     n, p = tokens_NP.shape
-    m, dm = self._bind(params, n)
+    m, dm = self._bind(params, unembed)
     cache = kv.init_cache(self.model_cfg, n, p, *self.cache_args)
     h, cache = m(tokens_NP, jnp.broadcast_to(jnp.arange(p), (n, p)), cache)
     h_last = jnp.take_along_axis(h, (length_N - 1)[:, None, None], axis=1)[:, 0]
@@ -292,9 +282,9 @@ class Engine:
     key = sampling.row_keys(key, len(prompts))
     # Host values go to the jitted call as numpy arrays: a jnp.asarray each would be a device
     # dispatch of its own (~50 us on a CPU host, several per call).
-    return self._prefill(params, arr, np.asarray(lengths, np.int32), key, temperature,
-                         np.asarray(top_k, np.int32), np.asarray(top_p, np.float32), penalty,
-                         sample=needs_sampling(temperature, penalty))
+    return self._prefill(params, self.unembed(params), arr, np.asarray(lengths, np.int32), key,
+                         temperature, np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
+                         penalty, sample=needs_sampling(temperature, penalty))
 
   def _insert_impl(self, prefix: Prefix, state: DecodeState, slots, max_new, temperature, top_k,
                    top_p, penalty):
@@ -372,9 +362,9 @@ class Engine:
     return step_lib.step(self.step_cfg, self.drafter_impl, m, dm, state, self.shape(k), sample,
                          n_draft, want_conf, ranked)
 
-  def _generate_impl(self, params, state: DecodeState, num_steps, refill, idle_steps, closed,
-                     sample: bool, ks: tuple[int, ...] | None = None):
-    m, dm = self._bind(params, self.cfg.batch_size)
+  def _generate_impl(self, params, unembed, state: DecodeState, num_steps, refill, idle_steps,
+                     closed, sample: bool, ks: tuple[int, ...] | None = None):
+    m, dm = self._bind(params, unembed)
     run = loop_lib.Loop(self, m, dm, state, num_steps, refill, idle_steps, closed, sample, ks)
     return run.adaptive(state) if self.cfg.adaptive else run.fixed(state, self.kd, None)
 
@@ -392,8 +382,9 @@ class Engine:
     if sample is None:
       sp = state.sampling
       sample = needs_sampling(np.asarray(sp.temperature), np.asarray(sp.penalty))
-    return self._generate(params, state, np.int32(num_steps), np.int32(refill),
-                          np.float32(idle_steps), np.bool_(closed), sample=sample, ks=self.ks)
+    return self._generate(params, self.unembed(params), state, np.int32(num_steps),
+                          np.int32(refill), np.float32(idle_steps), np.bool_(closed),
+                          sample=sample, ks=self.ks)
 
 
 def needs_sampling(temperature, penalty) -> bool:

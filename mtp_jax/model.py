@@ -251,19 +251,30 @@ def bind(graphdef, params) -> MTPModel:
   return nnx.merge(graphdef, params)
 
 
-def for_decoding(m: MTPModel, rows: int) -> MTPModel:
-  """The bound model a decode call runs (inside the traced call), whose products have `rows`
-  rows or more (its slots). On XLA:CPU, with two rows or more, a tied model unembeds from a
-  [D, V] copy of the embedding made once per call: XLA:CPU's GEMM repacks a transposed [V, D]
-  right operand at every product of several rows (at the demo's size, 4096 x 256, a product of
-  4 rows took 147 us against 83 us from the copy; docs/decoding.md, The tied unembedding on
-  CPU). A product of one row is XLA:CPU's GEMV, which reads [V, D] as it lies; one slot keeps
-  it, as a call reading both layouts reads twice the bytes (one slot's steps of one draft ran
-  11% slower so). GPUs read either layout, and the copy would cost their memory: elsewhere the
-  model is returned as it is."""
-  if m.cfg.tie_embeddings and rows > 1 and jax.default_backend() == "cpu":
-    w_VD = m.trunk.embed_VD[...].astype(jnp.float32)
-    m.trunk.tied_DV = jax.lax.optimization_barrier(jnp.transpose(w_VD))
+def unembed_copy(cfg: ModelConfig, params, rows: int):
+  """-> the [D, V] copy of a tied embedding that decode calls of `rows` slots unembed from, or
+  None where they read the model as it is. On XLA:CPU, with two slots or more, a tied model
+  unembeds from a [D, V] copy: XLA:CPU's GEMM repacks a transposed [V, D] right operand at every
+  product of several rows (at the demo's size, 4096 x 256, a product of 4 rows took 147 us
+  against 83 us from the copy; docs/decoding.md, The tied unembedding on CPU). A product of one
+  row is XLA:CPU's GEMV, which reads [V, D] as it lies; one slot keeps it, as a call reading both
+  layouts reads twice the bytes (one slot's steps of one draft ran 11% slower so). GPUs read
+  either layout, and the copy would cost their memory. The engine makes the copy once per params
+  (Engine.unembed) and hands it to every call: made inside each call, it cost about a plain step
+  a call at 4 slots."""
+  if cfg.tie_embeddings and rows > 1 and jax.default_backend() == "cpu":
+    return _transposed(params["trunk"]["embed_VD"])
+  return None
+
+
+_transposed = jax.jit(lambda w_VD: jnp.transpose(w_VD.astype(jnp.float32)))
+
+
+def for_decoding(m: MTPModel, unembed_DV=None) -> MTPModel:
+  """The bound model a decode call runs: with unembed_DV (unembed_copy), a tied model unembeds
+  from it."""
+  if unembed_DV is not None:
+    m.trunk.tied_DV = unembed_DV
   return m
 
 

@@ -7,6 +7,7 @@ modules, D model width, R ring records, n / P a prefill's rows and padded prompt
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
@@ -117,3 +118,30 @@ def stats(state: DecodeState) -> dict:
       "cond_trials": np.asarray(rec.cond_trials).tolist(),
       "cond_hits": np.asarray(rec.cond_hits).tolist(),
   }
+
+
+def initial(eng, key, cost, prior) -> DecodeState:
+  """The state of engine eng (engine.Engine) with no rows: key the base PRNG key, cost the cost
+  table, prior adaptive k's acceptance per draft position (None: unknown)."""
+  b, s, kd, v = eng.cfg.batch_size, eng.cfg.max_len, eng.kd, eng.model_cfg.vocab_size
+  zeros_b = jnp.zeros((b,), jnp.int32)
+  zeros_k = jnp.zeros((kd,), jnp.int32)
+  rows = Rows(tokens=jnp.zeros((b, s), jnp.int32), length=jnp.ones((b,), jnp.int32),
+              prompt_len=jnp.ones((b,), jnp.int32), stop_len=jnp.ones((b,), jnp.int32),
+              done=jnp.ones((b,), bool), steps=zeros_b, emitted=zeros_b,
+              cond_trials=jnp.zeros((b, kd), jnp.int32), cond_hits=jnp.zeros((b, kd), jnp.int32))
+  draft_BK = (b, kd) if not eng.top_r else (b, kd, eng.top_r)   # trees: [B, Kd, R]
+  drafts = Drafts(tokens=jnp.zeros(draft_BK, jnp.int32), logq=jnp.zeros((b, kd, v), jnp.float32),
+                  conf=jnp.zeros((b, kd), jnp.float32), n_fresh=zeros_b)
+  draft, seq_h = eng.drafter_impl.init_cache(b, s)
+  caches = Caches(trunk=kv.init_cache(eng.model_cfg, b, s, *eng.cache_args), draft=draft,
+                  seq_h=seq_h)
+  record = Record(ring=ring_lib.init_ring(eng.cfg.ring_size, b, kd),
+                  step=jnp.zeros((), jnp.int32), drafted=zeros_k, accepted=zeros_k,
+                  cond_trials=zeros_k, cond_hits=zeros_k)
+  controller = None
+  if eng.cfg.adaptive:
+    controller = adaptive.init_controller(kd, cost, eng.cfg.probe_every, prior)
+  return DecodeState(rows=rows, drafts=drafts, caches=caches,
+                     sampling=sampling.init_params(jax.random.split(key, b), b), record=record,
+                     controller=controller)

@@ -373,7 +373,7 @@ def test_adaptive_loop_writes_the_kv_cache_in_place(trained_tiny):
     state = eng.init_state()
     b, s, g, h = state.caches.trunk.k[0].shape
     for sample in (False, True):
-      hlo = eng._generate.lower(params, state, jnp.asarray(8, jnp.int32),
+      hlo = eng._generate.lower(params, eng.unembed(params), state, jnp.asarray(8, jnp.int32),
                                 jnp.asarray(0, jnp.int32), jnp.asarray(0.0), jnp.asarray(False),
                                 sample=sample, ks=eng.ks).compile().as_text()
       copies = re.findall(rf"= f32\[{b},{s},{g},{h}\]\S* copy\(", hlo)
@@ -394,7 +394,8 @@ def test_only_the_variants_that_can_pay_are_compiled(trained_tiny):
   want = [c.token_ids for c in plain.run(reqs)]
 
   def loops(eng):
-    hlo = eng._generate.lower(params, eng.init_state(), jnp.asarray(8, jnp.int32),
+    hlo = eng._generate.lower(params, eng.unembed(params), eng.init_state(),
+                              jnp.asarray(8, jnp.int32),
                               jnp.asarray(0, jnp.int32), jnp.asarray(0.0), jnp.asarray(False),
                               sample=False, ks=eng.ks).compile().as_text()
     return hlo.count("while(")

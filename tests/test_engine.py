@@ -236,6 +236,26 @@ def test_donated_state_is_deleted_after_generate(tiny_model):
   assert not new.rows.tokens.is_deleted()
 
 
+def test_the_unembedding_copy_is_made_once_per_params(tiny_model):
+  """Engine.unembed: the calls of an engine of several slots on CPU read one [D, V] copy of a
+  tied embedding, made when params are first seen; new params get a copy of their own."""
+  (mcfg, hcfg, params, tok), cfg = tiny_model
+  eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=2, k=2), tok.eod_id)
+  (copy,) = eng.unembed(params)
+  if not (mcfg.tie_embeddings and jax.default_backend() == "cpu"):
+    assert copy is None
+    return
+  assert eng.unembed(params)[0] is copy
+  emb = np.asarray(params["trunk"]["embed_VD"], np.float32)
+  np.testing.assert_array_equal(np.asarray(copy), emb.T)
+  other = jax.tree.map(lambda x: x, params)
+  other["trunk"] = dict(other["trunk"], embed_VD=jnp.asarray(emb * 2.0))
+  np.testing.assert_array_equal(np.asarray(eng.unembed(other)[0]), 2.0 * emb.T)
+  assert eng.unembed(params)[0] is not copy                      # remade for the first again
+  one = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=1, k=2), tok.eod_id)
+  assert one.unembed(params) == (None,)
+
+
 def test_refill_ends_the_call_once_enough_rows_finish(tiny_model):
   """generate(refill=n): the call stops after the step in which the n-th row finishes (requests
   wait for those slots), or once the finished rows stood idle idle_steps slot-steps; refill=0

@@ -112,22 +112,24 @@ def test_gqa_shapes_and_param_count():
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_decoding_view_gives_the_model_logits(tie):
-  """for_decoding (what a decode call binds): a tied model on CPU unembeds a call of several rows
-  from a [D, V] copy, a call of one row from the embedding itself; the logits are the model's."""
+  """unembed_copy / for_decoding (what a decode call binds): a tied model on CPU unembeds calls
+  of several slots from a [D, V] copy, one slot's from the embedding itself; the logits are the
+  model's."""
   cfg, m = _model(tie)
   graphdef, params = M.split(m)
   h = jax.random.normal(jax.random.key(3), (3, 4, cfg.model.d_model), jnp.float32)
 
-  def both(rows):
-    @jax.jit
-    def run(params, h_xD):
-      d = M.for_decoding(M.bind(graphdef, params), rows)
-      return d.logits(h_xD), M.bind(graphdef, params).logits(h_xD), hasattr(d.trunk, "tied_DV")
-    return run(params, h if rows > 1 else h[:1, :1])
+  @jax.jit
+  def run(params, copy_DV, h_xD):
+    return (M.for_decoding(M.bind(graphdef, params), copy_DV).logits(h_xD),
+            M.bind(graphdef, params).logits(h_xD))
 
-  view, model, copied = both(3)
-  assert copied == (tie and jax.default_backend() == "cpu")
+  copy_DV = M.unembed_copy(cfg.model, params, 3)
+  assert (copy_DV is not None) == (tie and jax.default_backend() == "cpu")
+  view, model = run(params, copy_DV, h)
   np.testing.assert_allclose(np.asarray(view), np.asarray(model), atol=1e-5, rtol=1e-5)
-  view, model, copied = both(1)                               # one row: the same product
-  assert not copied
+  assert M.unembed_copy(cfg.model, params, 1) is None          # one slot: the same product
+  view, model = run(params, None, h[:1, :1])
   np.testing.assert_array_equal(np.asarray(view), np.asarray(model))
+
+

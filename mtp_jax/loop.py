@@ -19,7 +19,7 @@ no drafting (up to probe_every_max); after a drafting segment it is accept_windo
 segments): the turn to plain decoding is checked again once the rates that made it have left
 the window.
 
-An adaptive call runs top-level loops, in order, each step a fixed-k engine's own step:
+An adaptive call runs rounds of four loops, in order, each step a fixed-k engine's own step:
 1. one loop per drafting shape of ks (k > 0, then adaptive k's trees), the largest index first,
    each running while the controller keeps to its k (checked by a lax.cond where a segment ends);
 2. plain segments up to the start of the next probe segment: with no fresh drafts the controller
@@ -28,13 +28,17 @@ An adaptive call runs top-level loops, in order, each step a fixed-k engine's ow
    controller keeps to plain decoding; it stops where a drafting segment or a plain run would
    begin;
 4. that plain run, as in 2.
-The call ends where the controller raises k past the loops already run (the next call begins at
-loop 1). Why loops: a lax.switch over variants gives each branch a copy of every buffer it
-updates (the whole KV cache, every step); a while_loop updates its carry in place. Why at the top
-level: nested in a segment loop, the same steps ran 4-8% slower on XLA:CPU. The controller is
-asked only where its answer can change what runs (a lax.cond around each evaluation): choose_k
-where a row holds fresh drafts (without one plain decoding is the cheapest shape), worth_probing
-where a probe is due within the call; a call inside a plain run asks nothing.
+Where the controller raises k past the loops already run (a probe that leads to drafting, a k
+raised above the loop's), the next round runs it, in the same call; the call ends after its
+num_steps steps, where no row goes on, or after a round that ran no step. Why loops: a
+lax.switch over variants gives each branch a copy of every buffer it updates (the whole KV cache,
+every step); a while_loop updates its carry in place. Why loops that run while the controller
+keeps to a shape, and not a loop of segments: nested in a segment loop (entered every
+adapt_every steps), the same steps ran 4-8% slower on XLA:CPU; a round is entered where the
+shape changes. The controller is asked only where its answer can change what runs (a lax.cond
+around each evaluation): choose_k where a row holds fresh drafts (without one plain decoding is
+the cheapest shape), worth_probing where a probe is due within the call; a call inside a plain
+run asks nothing.
 """
 
 from __future__ import annotations
@@ -145,16 +149,27 @@ class Loop:
   def adaptive(self, state: DecodeState) -> DecodeState:
     if max(self.ks) == 0:   # no k can pay under the cost table (adaptive.viable_ks): plain
       return self.fixed(state, 0, 0)
-    i, kc, st = self.drafting(state)
-    # Only the call's start and the drafting loops choose (inserted rows bring fresh drafts).
-    i, st = self.plain(i, kc, st)
-    # The probe loop's carry: (i, the k it stopped at (-1: none yet), st).
-    i, k_stop, st = jax.lax.while_loop(
-        lambda c: (c[1] < 0) & (c[0] < self.num_steps) & self.goes_on(c[2]), self.probe_segment,
-        (i, jnp.asarray(-1, jnp.int32), st))
-    # Where it stopped at a plain run (after a probe that found nothing worth drafting), the
-    # run follows in this call, up to the next probe: otherwise every probe would end its call.
-    return self.plain(i, k_stop, st)[1]
+
+    def round_(c):
+      """The four loops once, from the shape index kc the controller chose."""
+      i, kc, st, _ = c
+      i0 = i
+      i, kc, st = self.drafting(i, kc, st)
+      i, st = self.plain(i, kc, st)
+      # The probe loop's carry: (i, the k it stopped at (-1: none yet), st).
+      i, k_stop, st = jax.lax.while_loop(
+          lambda c: (c[1] < 0) & (c[0] < self.num_steps) & self.goes_on(c[2]),
+          self.probe_segment, (i, jnp.asarray(-1, jnp.int32), st))
+      # Where it stopped at a plain run (after a probe that found nothing worth drafting), the
+      # run follows, up to the next probe.
+      i, st = self.plain(i, k_stop, st)
+      return i, k_stop, st, i > i0
+
+    # Rounds while the call goes on: where the probe loop leads to drafting, the next round's
+    # drafting loops run it. A round that ran no step ends the call.
+    return jax.lax.while_loop(
+        lambda c: c[3] & (c[0] < self.num_steps) & self.goes_on(c[2]), round_,
+        (self.zero, self.choose(state), state, jnp.asarray(True)))[2]
 
   def choose(self, st: DecodeState):
     """The k of the segment st's step begins, or continues: a call that begins inside a
@@ -172,9 +187,9 @@ class Loop:
                      self.zero)
     return jnp.where(cont, c.seg_k, chosen)
 
-  def drafting(self, state: DecodeState):
-    """Loop 1: one loop per drafting shape (k > 0, then trees), the largest index first.
-    -> (i, the shape index the call goes on with, st)."""
+  def drafting(self, i, kc, st: DecodeState):
+    """Loop 1: one loop per drafting shape (k > 0, then trees), the largest index first, from
+    the shape index kc. -> (i, the shape index the call goes on with, st)."""
     every = self.every
     after_drafting = min(-(-self.eng.cfg.accept_window // every), self.eng.cfg.probe_every_max)
 
@@ -190,14 +205,14 @@ class Loop:
         return i + 1, nk, st
       return body
 
-    i, kc, st, seg = self.zero, self.choose(state), state, state.controller.seg_k
+    i_start, seg = i, st.controller.seg_k
     for k in sorted(self.ks[1:], reverse=True):
       i0 = i
       i, kc, st = jax.lax.while_loop(
           lambda c, k=k: (c[1] == k) & (c[0] < self.num_steps) & self.goes_on(c[2]), steady(k),
           (i, kc, st))
       seg = jnp.where(i > i0, k, seg)
-    ran = i > 0
+    ran = i > i_start
     c = st.controller
     st = _set_controller(st, probe_gap=jnp.where(ran, after_drafting, c.probe_gap),
                          plain_segs=jnp.where(ran, 0, c.plain_segs), seg_k=seg)

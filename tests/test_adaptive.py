@@ -331,9 +331,9 @@ def test_probes_back_off_while_plain_decoding_wins_and_reset_once_drafting_pays(
 
 
 @pytest.mark.slow
-def test_segments_of_all_heads_run_in_the_calls_top_level_loop(trained_tiny):
-  """Drafting segments run in the call's top-level loops: where the probe loop would begin
-  one, the call ends at that segment boundary and the next call runs it there."""
+def test_a_probe_that_leads_to_drafting_goes_on_drafting_in_its_call(trained_tiny):
+  """Drafting segments run in the drafting loops: where the probe loop would begin one, the
+  call's next round of loops runs it, in the same call."""
   _, workdir, _ = trained_tiny
   mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
   eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=1, adaptive=True, ring_size=16, adapt_every=2,
@@ -348,16 +348,15 @@ def test_segments_of_all_heads_run_in_the_calls_top_level_loop(trained_tiny):
   assert int(state.drafts.n_fresh[0]) == 0
   # Equal costs and a prior of sure drafts: the controller stays plain without fresh drafts, and
   # drafts all heads once the probe (two plain steps drafting one head, the second checking the
-  # first's draft) brings a fresh draft. The call ends after the probe segment (2 of its 16
-  # steps).
+  # first's draft) brings a fresh draft; the call runs its 16 steps: the probe segment, then 14
+  # steps of all heads.
   state = eng.generate(params, _controller(state, k_force=jnp.asarray(-1, jnp.int32),
                                            prior_rate=jnp.full((kd,), 0.99)), 16)
-  assert int(state.record.step) == 6 and int(state.drafts.n_fresh[0]) == 1
-  assert np.asarray(state.record.ring.k_used)[4:6].tolist() == [0, 0]
+  assert int(state.record.step) == 20
+  k_used = np.asarray(state.record.ring.k_used)
+  assert k_used[4:6].tolist() == [0, 0]
   assert np.asarray(state.record.ring.verified)[4:6, 0].tolist() == [0, 1]
-  state = eng.generate(params, state, 4)
-  assert int(state.record.step) == 10
-  assert np.asarray(state.record.ring.k_used)[6:10].tolist() == [kd] * 4
+  assert k_used[np.arange(6, 20) % 16].tolist() == [kd] * 14
 
 
 @pytest.mark.slow

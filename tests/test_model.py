@@ -131,5 +131,3 @@ def test_decoding_view_gives_the_model_logits(tie):
   assert M.unembed_copy(cfg.model, params, 1) is None          # one slot: the same product
   view, model = run(params, None, h[:1, :1])
   np.testing.assert_array_equal(np.asarray(view), np.asarray(model))
-
-

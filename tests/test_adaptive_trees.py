@@ -161,6 +161,7 @@ def _sampling_matches_plain(tiny_model, cost, force_chain: bool = False):  # noq
   assert pvalue > 1e-4, (pvalue, table)
 
 
+@pytest.mark.slow
 def test_no_recompilation_after_warmup_with_trees_chosen(tiny_model):  # noqa: F811
   (_, _, _, _), cfg, _ = tiny_model
   dec = _auto(tiny_model, EVERY_SHAPE)
@@ -248,6 +249,7 @@ def test_no_tree_where_a_row_lacks_room_for_it(tiny_model):  # noqa: F811
       True, False, False, False, False, True, True]
 
 
+@pytest.mark.slow
 def test_chain_steps_of_ranked_drafts_are_lossless(tiny_model):  # noqa: F811
   """Where a tree is viable every drafting step draws each head's candidates without
   replacement (Gumbel top-k); a chain step then verifies rank 0 of them against the q they came

@@ -57,6 +57,7 @@ def _top2_gaps(mcfg, hcfg, params, prompt, out):
   return np.asarray(top2[:, 0] - top2[:, 1])
 
 
+@pytest.mark.slow
 def test_bf16_greedy_speculative_diverges_only_at_near_ties(bf16_model):
   mcfg, hcfg, params, tok, cfg = bf16_model
   prompts = _prompts(cfg, tok, 16, seed=5)

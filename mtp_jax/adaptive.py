@@ -10,12 +10,13 @@ where c(k) is the measured time of one step with k drafts at the engine's slot c
 table, tables.py) and E[emitted | k] = 1 + sum_{j<=k} prod_{i<=j} alpha_i. alpha_i is the
 conditional acceptance at draft position i (accepted, given that every draft before it was):
 the counts of the ring's last accept_window steps, pooled over the rows, blended with a prior by
-their number of trials (PRIOR_TRIALS pseudo-trials). Pooled conditional rates give the batch's
-expected tokens per step as it is, whatever the spread between rows: the share of row-steps whose
-first j drafts are accepted is the product of the conditional rates. The prior is the rate earlier
-runs of the same weights measured (their counts pooled: api.Decoder; tables.py stores it), else
-the head's confidence in the row's draft, and for a position never tried the estimate of the
-position before it.
+their number of trials against the prior's pseudo-trials (Controller.prior_trials). Pooled
+conditional rates give the batch's expected tokens per step as it is, whatever the spread between
+rows: the share of row-steps whose first j drafts are accepted is the product of the conditional
+rates. The prior is the rate earlier runs of the same weights measured, counting for as many
+trials as their requests' scatter says the text at hand is like them (priors.py), else a guess
+counting for one window: the head's confidence in the row's draft, and for a position never tried
+the estimate of the position before it.
 
 Two guards keep the promise of never being slower than plain decoding where drafting does not
 clearly pay: each alpha is taken one standard error below its estimate (the window's error as it
@@ -47,9 +48,6 @@ from flax import struct
 from mtp_jax import ring as ring_lib
 from mtp_jax.shape_set import ShapeSet, row_expected
 
-PRIOR_TRIALS = 16.0   # trials after which the window's rate outweighs the prior
-
-
 @struct.dataclass
 class Controller:
   """The controller's state in the decode state (adaptive engines only): the cost table, the
@@ -65,16 +63,22 @@ class Controller:
                            # continues it)
   prior_rate: jax.Array    # [Kd] conditional acceptance per draft position from earlier runs
                            # (-1: unknown)
+  prior_trials: jax.Array  # [Kd] the pseudo-trials the prior counts for in a blend with the
+                           # window (priors.py; a guess where the rate is unknown: one window)
 
 
-def init_controller(kd: int, cost, probe_every: int, prior=None) -> Controller:
+def init_controller(kd: int, cost, probe_every: int, prior=None, prior_trials=None,
+                    window: int = 16) -> Controller:
   """prior [Kd]: the conditional acceptance per position earlier runs measured (default
-  unknown, -1)."""
-  prior = jnp.full((kd,), -1.0, jnp.float32) if prior is None else prior
+  unknown, -1); prior_trials [Kd]: what it counts for (default, and where the rate is unknown:
+  one window, `window` trials)."""
+  prior = jnp.full((kd,), -1.0, jnp.float32) if prior is None else jnp.asarray(prior, jnp.float32)
+  m = jnp.full((kd,), window, jnp.float32) if prior_trials is None else prior_trials
+  m = jnp.where(prior >= 0, jnp.asarray(m, jnp.float32), float(window))
   return Controller(
       cost=jnp.asarray(cost, jnp.float32), k_force=jnp.asarray(-1, jnp.int32),
       probe_gap=jnp.asarray(probe_every, jnp.int32), plain_segs=jnp.zeros((), jnp.int32),
-      seg_k=jnp.zeros((), jnp.int32), prior_rate=jnp.asarray(prior, jnp.float32))
+      seg_k=jnp.zeros((), jnp.int32), prior_rate=prior, prior_trials=m)
 
 
 def choose(state, limit_B, allowed_S, window: int, margin: float, ss: ShapeSet | None = None,
@@ -88,15 +92,16 @@ def choose(state, limit_B, allowed_S, window: int, margin: float, ss: ShapeSet |
   kd = state.drafts.conf.shape[1]
   ss = ShapeSet(kd) if ss is None else ss
   rate_K, trials_K = window_rates(state.record.ring, state.record.step, window, kd)
-  pooled_BK = blend(rate_K, trials_K, state.drafts.conf, c.prior_rate)
+  m_K = prior_weight(c, ~rows.done)
+  pooled_BK = blend(rate_K, trials_K, state.drafts.conf, c.prior_rate, m_K)
   cut = jnp.arange(kd)[None] < limit_B[:, None]
-  alpha_BK = jnp.where(cut, lower_blend(pooled_BK, trials_K), 0.0)
+  alpha_BK = jnp.where(cut, lower_blend(pooled_BK, trials_K, m_K), 0.0)
   # Once none waits, the job ends with its slowest row: each row's own counts since its
   # insertion (the pooled estimate their prior) and the spread of what it will realise
   # (finish_alpha). A window would forget which rows draft badly in a plain stretch.
   hits_BK = rows.cond_hits.astype(jnp.float32)
   trials_BK = rows.cond_trials.astype(jnp.float32)
-  m_K = row_prior_trials(hits_BK, trials_BK, ~rows.done)
+  m_K = row_prior_trials(hits_BK, trials_BK, ~rows.done, trials_K + m_K)
   own_BK = (hits_BK + m_K * pooled_BK) / (trials_BK + m_K)
   own_BK = finish_alpha(own_BK, trials_BK + m_K, rows.remaining, ~rows.done)
   own_BK = jnp.where(cut, own_BK, 0.0)
@@ -111,14 +116,24 @@ def choose(state, limit_B, allowed_S, window: int, margin: float, ss: ShapeSet |
   return jnp.where(c.k_force >= 0, forced, k).astype(jnp.int32)
 
 
-def row_prior_trials(hits_BK, trials_BK, active_B):
+def prior_weight(c: Controller, active_B):
+  """-> [K]: the pseudo-trials the prior counts for against the window, which pools the active
+  rows: their mean rate strays from the prior's as far as one request's does over their number
+  (tau^2 / n), so a measured prior of m pseudo-trials per request counts for n (m + 1) - 1. A
+  guess (unknown rate) counts for its own."""
+  n = jnp.maximum(jnp.sum(active_B.astype(jnp.float32)), 1.0)
+  return jnp.where(c.prior_rate >= 0, n * (c.prior_trials + 1.0) - 1.0, c.prior_trials)
+
+
+def row_prior_trials(hits_BK, trials_BK, active_B, most_K):
   """-> [K]: the pseudo-trials the pooled rate counts for in a row's own estimate, from how far
   the rows' window rates scatter (empirical Bayes, beta-binomial moments): true rates spread
   around the pooled p with variance tau^2 = p (1 - p) / (m + 1), and tau^2 is the rows' observed
   scatter less their binomial noise. Rows alike (no scatter beyond the noise): the pool's own
   trials (plus the prior's), as sure as the pool; rows far apart: few, so that a row that drafts
   badly shows in its estimate within a few steps (at 4 slots, one row accepting 0.55 of its
-  first drafts among three at 0.95 set the job's end)."""
+  first drafts among three at 0.95 set the job's end). most_K: the pool's weight (the window's
+  trials and the prior's)."""
   on_BK = active_B[:, None] & (trials_BK > 0)
   rows_K = jnp.maximum(jnp.sum(on_BK, 0), 1)
   n_K = jnp.sum(jnp.where(on_BK, trials_BK, 0.0), 0)
@@ -128,17 +143,16 @@ def row_prior_trials(hits_BK, trials_BK, active_B):
   scatter_K = jnp.sum(jnp.where(on_BK, (r_BK - p_K) ** 2, 0.0), 0) / rows_K
   noise_K = jnp.sum(jnp.where(on_BK, pq_K / jnp.maximum(trials_BK, 1.0), 0.0), 0) / rows_K
   tau2_K = scatter_K - noise_K
-  most = n_K + PRIOR_TRIALS
-  m_K = jnp.where(tau2_K > 0, pq_K / jnp.maximum(tau2_K, 1e-12) - 1.0, most)
-  return jnp.clip(m_K, 1.0, most)
+  m_K = jnp.where(tau2_K > 0, pq_K / jnp.maximum(tau2_K, 1e-12) - 1.0, most_K)
+  return jnp.clip(m_K, 1.0, jnp.maximum(most_K, 1.0))
 
 
-def blend(rate_K, trials_K, conf_BK, prior_K):
+def blend(rate_K, trials_K, conf_BK, prior_K, m_K):
   """-> [B, K]: per row and draft position, the window's rate blended with the prior by trials
-  (PRIOR_TRIALS pseudo-trials). The prior: prior_K where known (>= 0), else the row's head
-  confidence at the first position and the estimate of the position before at later ones. A
-  known prior outweighs any confidence (why: docs/adaptive.md, "What each piece earned")."""
-  lam_K = trials_K / (trials_K + PRIOR_TRIALS)
+  (the prior counting for m_K pseudo-trials). The prior: prior_K where known (>= 0), else the
+  row's head confidence at the first position and the estimate of the position before at later
+  ones. A known prior outweighs any confidence (why: docs/adaptive.md, "What each piece earned")."""
+  lam_K = trials_K / (trials_K + m_K)
   cols, prev = [], conf_BK[:, 0]
   for i in range(conf_BK.shape[1]):
     prior = jnp.where(prior_K[i] >= 0, prior_K[i], prev)
@@ -158,30 +172,31 @@ def worth_probing(state, allowed_S, window: int, margin: float, ss: ShapeSet | N
   kd = c.prior_rate.shape[0]
   ss = ShapeSet(kd) if ss is None else ss
   rate_K, trials_K = window_rates(state.record.ring, state.record.step, window, kd)
-  n_K = trials_K + PRIOR_TRIALS
+  m_K = prior_weight(c, ~state.rows.done)
+  n_K = trials_K + m_K
   cols, prev = [], jnp.asarray(1.0)
   for i in range(kd):
     prior = jnp.where(c.prior_rate[i] >= 0, c.prior_rate[i], prev)
-    prev = (trials_K[i] * rate_K[i] + PRIOR_TRIALS * prior) / n_K[i]
+    prev = (trials_K[i] * rate_K[i] + m_K[i] * prior) / n_K[i]
     cols.append(jnp.clip(prev + jnp.sqrt(prev * (1.0 - prev) / n_K[i]), 0.0, 1.0))
   return choose_k(c.cost, ss.expected(jnp.stack(cols)), margin, allowed_S) > 0
 
 
-def lower_blend(alpha_BK, trials_K):
-  """One standard error below a blend (blend) of the window's rate over trials_K with a prior:
-  the window's weight times the window's binomial error, lam sqrt(a (1 - a) / n) =
-  sqrt(a (1 - a) n) / (n + PRIOR_TRIALS). The guard is against the window's sampling error
-  (a k chosen on counts that look high); a prior is no sample picked for looking high: earlier
-  runs' rate, measured over far more trials than the window holds, or a guess (a head's
+def lower_blend(alpha_BK, trials_K, m_K):
+  """One standard error below a blend (blend) of the window's rate over trials_K with a prior
+  of m_K pseudo-trials: the window's weight times the window's binomial error,
+  lam sqrt(a (1 - a) / n) = sqrt(a (1 - a) n) / (n + m). The guard is against the window's
+  sampling error (a k chosen on counts that look high); a prior is no sample picked for looking
+  high: earlier runs' rate, measured over far more trials than the window holds, or a guess (a head's
   confidence, the position before's estimate). With no trial in the window: the prior."""
-  se_BK = jnp.sqrt(alpha_BK * (1.0 - alpha_BK) * trials_K) / (trials_K + PRIOR_TRIALS)
+  se_BK = jnp.sqrt(alpha_BK * (1.0 - alpha_BK) * trials_K) / (trials_K + m_K)
   return jnp.clip(alpha_BK - se_BK, 0.0, 1.0)
 
 
-def estimate(rate_K, trials_K, conf_BK, prior_K):
+def estimate(rate_K, trials_K, conf_BK, prior_K, m_K):
   """-> [B, K]: the acceptance the controller counts on while requests wait: blend, less one
   standard error (lower_blend)."""
-  return lower_blend(blend(rate_K, trials_K, conf_BK, prior_K), trials_K)
+  return lower_blend(blend(rate_K, trials_K, conf_BK, prior_K, m_K), trials_K, m_K)
 
 
 def row_window(ring: ring_lib.Ring, step, window: int, k_max: int):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import weakref
 from typing import Sequence
 
 import jax
@@ -23,6 +22,7 @@ import numpy as np
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config as config_lib
 from mtp_jax import engine as engine_lib
+from mtp_jax import priors as priors_lib
 from mtp_jax import refill as refill_lib
 from mtp_jax import ring as ring_lib
 from mtp_jax import shape_set
@@ -73,12 +73,8 @@ class Decoder:
                                     None if draft is None else draft[:2], mesh=mesh)
     self.seed = seed
     self.last_stats: dict = {}
-    # Acceptance per draft position that earlier runs measured, greedy (False) and sampled
-    # (True): the controller's prior; and the counts of this decoder's runs it pools.
-    self._prior: dict[bool, list[float]] = {}
-    self._counts: dict[bool, np.ndarray] = {}     # [2, Kd] trials, hits summed over runs
-    self._rates_path: str | None = None      # where runs' acceptance is stored (calibrate)
-    self._stored: dict[bool, str] = {}       # greedy / sampled priors written: their keys
+    # Acceptance per draft position that earlier runs measured: adaptive k's prior.
+    self.priors = priors_lib.Priors(self.engine.kd)
     self._fingerprint: str | None = None
     self.last_timing: dict = {}
 
@@ -123,21 +119,19 @@ class Decoder:
     plainly until probes had shown otherwise)."""
     cost = self.engine.calibrate(self.params, table_path, force)
     if self.engine.cfg.adaptive:
-      self._rates_path = table_path or tables.default_table_path()
+      self.priors.path = table_path or tables.default_table_path()
       if self._fingerprint is None:
         self._fingerprint = tables.params_fingerprint(self.params)
+      self.priors.keys = {s: tables.rates_key(self.engine, self._fingerprint, s)
+                          for s in (False, True)}
     return cost
-
-  def _rates_key(self, sampled: bool) -> str:
-    return tables.rates_key(self.engine, self._fingerprint, sampled)
 
   def warmup(self, max_prompt_len: int | None = None) -> int:
     """Compiles every shape serving can meet (see Engine.warmup), the copy a chunk's drain
     makes of the ring and the rows' key folding, so that the first run compiles nothing.
     -> the number of buckets."""
     n = self.engine.warmup(self.params, max_prompt_len)
-    state = self.engine.init_state()
-    ring_lib.Drain().drain(state.record.ring, state.record.step, state.rows.done, state.rows.steps)
+    ring_lib.Drain().drain(*_drained(self.engine, self.engine.init_state()))
     jax.block_until_ready(jax.random.fold_in(jax.random.key(self.seed), 0))   # rows' keys (run)
     return n
 
@@ -162,8 +156,8 @@ class Decoder:
     sampled_run = any(engine_lib.needs_sampling(r.temperature, r.repetition_penalty)
                       for r in requests)
     slots = _Slots(self, requests, on_done)
-    prior = self._earlier_acceptance(sampled_run)
-    state = eng.init_state(self.seed, prior if eng.cfg.adaptive else None)
+    state = eng.init_state(self.seed, *(self.priors.start(sampled_run) if eng.cfg.adaptive
+                                        else (None, None)))
     state = self._decode(state, slots)
     self.last_stats = state_lib.stats(state)
     # The rows' counters restart where a request takes a slot: the run's come from every request.
@@ -172,7 +166,8 @@ class Decoder:
     emitted = sum(round(c.acceptance_length * c.steps) for c in outs)
     self.last_stats.update(row_steps=row_steps, acceptance_length=emitted / max(row_steps, 1))
     if eng.cfg.adaptive:     # the acceptance this run saw: the next run's prior (adaptive k)
-      self._learn(sampled_run, prior)
+      counts = np.asarray(slots.counts, np.float64).reshape(len(slots.counts), 2, eng.kd)
+      self.priors.learn(sampled_run, counts[:, 0], counts[:, 1])
     self.last_timing = {"wall_s": time.perf_counter() - slots.t_start, "wait_s": slots.wait}
     return slots.results
 
@@ -197,7 +192,7 @@ class Decoder:
       slots.hand_over()                 # detokenise and write while the chunk runs
       if drain.pending:
         slots.collect(slots.timed(drain.finish))
-      drain.start(state.record.ring, state.record.step, state.rows.done, state.rows.steps)
+      drain.start(*_drained(eng, state))
       if slots.queue or not slots.busy():
         step0 = drain.drained_step
         slots.collect(slots.timed(drain.finish))
@@ -207,41 +202,6 @@ class Decoder:
       slots.collect(slots.timed(drain.finish))
     slots.hand_over()
     return state
-
-  def _earlier_acceptance(self, sampled_run: bool):
-    """-> the prior rates from this decoder's earlier runs, else the stored ones (after
-    calibrate), else None."""
-    eng = self.engine
-    prior = self._prior.get(sampled_run)
-    if eng.cfg.adaptive and prior is None and self._rates_path:
-      # Another process's: the first position only. Positions past it are tried only where the
-      # controller drafts that far, so a low rate stored for them by other text could keep this
-      # run from ever drafting that far; unknown, they start from the first position's estimate
-      # (adaptive.estimate).
-      stored = tables.load_rates(self._rates_path, self._rates_key(sampled_run))
-      if stored is not None and eng.kd > 0 and len(stored) == eng.kd and stored[0] >= 0:
-        prior = [stored[0]] + [-1.0] * (eng.kd - 1)
-    return prior
-
-  def _learn(self, sampled_run: bool, prior):
-    """Keeps the acceptance of this decoder's runs so far, pooled (and stores it after
-    calibrate). Pooled, not the last run's: requests differ, and one hard request (a run at one
-    slot may hold only it) would otherwise set every later run's prior, until a prior low
-    enough that no probe is worth making keeps them all plain."""
-    st = self.last_stats
-    counts = np.asarray([st["cond_trials"], st["cond_hits"]], np.float64)
-    counts = self._counts[sampled_run] = self._counts.get(sampled_run, 0.0) + counts
-    rates = tables.run_rates(counts[0], counts[1])
-    prior = [r if r >= 0 else p for r, p in zip(rates, prior or rates)]
-    self._prior[sampled_run] = prior
-    # Stored for the next process: after this decoder's first run of each kind, then its last
-    # prior once the decoder is collected or the process exits (a file write per run is a few
-    # percent of a short run).
-    if self._rates_path and max(rates, default=-1.0) >= 0 and sampled_run not in self._stored:
-      if not self._stored:
-        weakref.finalize(self, _store_priors, self._rates_path, self._stored, self._prior)
-      self._stored[sampled_run] = self._rates_key(sampled_run)
-      _store_priors(self._rates_path, self._stored, self._prior)
 
   def _finish(self, req: Request, ids: list[int], steps: int) -> Completion:
     eod = self.tokenizer.eod_id
@@ -284,6 +244,7 @@ class _Slots:
     self.sampled = np.zeros((b,), bool)
     self.free = list(range(b))[::-1]
     self.finished: list[tuple] = []    # (request, tokens, steps, latency) of rows not handed over
+    self.counts: list[tuple] = []      # adaptive k: each finished row's (cond_trials, cond_hits)
     self.cancel = np.zeros((b,), bool)
 
   def busy(self) -> bool:
@@ -342,7 +303,9 @@ class _Slots:
         self.ttft[self.slot_req[slots[i]]] = now - self.t_start
     return state
 
-  def release(self, slot, row_steps):
+  def release(self, slot, row_steps, counts):
+    if counts:
+      self.counts.append((counts[0][slot], counts[1][slot]))
     self.finished.append((self.slot_req[slot], self.streams[slot], int(row_steps[slot]),
                           time.perf_counter() - self.t_start))
     self.slot_req[slot] = -1
@@ -350,18 +313,18 @@ class _Slots:
 
   def collect(self, records):
     """Appends a drained chunk to the streams; releases rows that are done."""
-    tokens, emitted, _, _, done, row_steps = records
+    tokens, emitted, _, _, done, row_steps, *counts = records
     ring_lib.append_streams(self.streams, tokens, emitted)
     for slot in range(len(self.slot_req)):
       r = self.slot_req[slot]
       if r < 0:
         continue
       if done[slot]:
-        self.release(slot, row_steps)
+        self.release(slot, row_steps, counts)
       elif self.requests[r].stop and _find_stop(self.dec.tokenizer.decode(self.streams[slot]),
                                                 self.requests[r].stop)[0] >= 0:
         self.cancel[slot] = True
-        self.release(slot, row_steps)
+        self.release(slot, row_steps, counts)
 
   def hand_over(self):
     for r, ids, steps, latency in self.finished:
@@ -372,6 +335,14 @@ class _Slots:
     self.finished.clear()
 
 
+def _drained(eng, state) -> tuple:
+  """What a chunk's drain copies (ring_lib.Drain.start): the ring, the step, the rows' done
+  flags and step counts, and for adaptive k each row's acceptance counts (priors.py)."""
+  rows = state.rows
+  counts = (rows.cond_trials, rows.cond_hits) if eng.cfg.adaptive else ()
+  return (state.record.ring, state.record.step, rows.done, rows.steps) + counts
+
+
 def _find_stop(text: str, stops) -> tuple[int, str | None]:
   """-> (index of the earliest stop string in text, that string), or (-1, None)."""
   best, which = -1, None
@@ -380,8 +351,3 @@ def _find_stop(text: str, stops) -> tuple[int, str | None]:
     if i >= 0 and (best < 0 or i < best):
       best, which = i, s
   return best, which
-
-
-def _store_priors(path: str, keys: dict[bool, str], priors: dict[bool, list[float]]):
-  for sampled, key in keys.items():
-    tables.save_rates(path, key, priors[sampled])

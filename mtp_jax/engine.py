@@ -128,16 +128,20 @@ class Engine:
     c[:len(cost)] = np.asarray(cost, np.float32)[:self.n_shapes]
     return c
 
-  def init_state(self, seed: int = 0, prior=None) -> DecodeState:
-    """prior [Kd]: adaptive k's acceptance per draft position from earlier runs (-1 unknown)."""
+  def init_state(self, seed: int = 0, prior=None, prior_trials=None) -> DecodeState:
+    """prior [Kd]: adaptive k's acceptance per draft position from earlier runs (-1 unknown);
+    prior_trials [Kd]: the pseudo-trials it counts for (priors.py; default one window)."""
     prior = np.asarray([-1.0] * self.kd if prior is None else prior, np.float32)
-    return self._init(jax.random.key(seed), self.cost_array(self.cost), prior)
+    m = np.asarray([self.cfg.accept_window] * self.kd if prior_trials is None else prior_trials,
+                   np.float32)
+    return self._init(jax.random.key(seed), self.cost_array(self.cost), prior, m)
 
-  def _init_state_unplaced(self, key=None, cost=None, prior=None) -> DecodeState:
-    """The state of an engine with no rows (key: the base PRNG key, default key(0); cost: the
-    cost table, default self.cost; prior: see init_state)."""
+  def _init_state_unplaced(self, key=None, cost=None, prior=None, prior_trials=None):
+    """-> the DecodeState of an engine with no rows (key: the base PRNG key, default key(0);
+    cost: the cost table, default self.cost; prior, prior_trials: see init_state)."""
     cost = self.cost_array(self.cost) if cost is None else cost
-    return state_lib.initial(self, jax.random.key(0) if key is None else key, cost, prior)
+    return state_lib.initial(self, jax.random.key(0) if key is None else key, cost, prior,
+                             prior_trials)
 
   @staticmethod
   def put(state: DecodeState, **values) -> DecodeState:

@@ -120,9 +120,10 @@ def stats(state: DecodeState) -> dict:
   }
 
 
-def initial(eng, key, cost, prior) -> DecodeState:
+def initial(eng, key, cost, prior, prior_trials=None) -> DecodeState:
   """The state of engine eng (engine.Engine) with no rows: key the base PRNG key, cost the cost
-  table, prior adaptive k's acceptance per draft position (None: unknown)."""
+  table, prior adaptive k's acceptance per draft position (None: unknown) and prior_trials what
+  it counts for (adaptive.init_controller)."""
   b, s, kd, v = eng.cfg.batch_size, eng.cfg.max_len, eng.kd, eng.model_cfg.vocab_size
   zeros_b = jnp.zeros((b,), jnp.int32)
   zeros_k = jnp.zeros((kd,), jnp.int32)
@@ -141,7 +142,8 @@ def initial(eng, key, cost, prior) -> DecodeState:
                   cond_trials=zeros_k, cond_hits=zeros_k)
   controller = None
   if eng.cfg.adaptive:
-    controller = adaptive.init_controller(kd, cost, eng.cfg.probe_every, prior)
+    controller = adaptive.init_controller(kd, cost, eng.cfg.probe_every, prior, prior_trials,
+                                          eng.cfg.accept_window)
   return DecodeState(rows=rows, drafts=drafts, caches=caches,
                      sampling=sampling.init_params(jax.random.split(key, b), b), record=record,
                      controller=controller)

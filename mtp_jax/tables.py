@@ -136,23 +136,28 @@ def rates_key(engine, fingerprint: str, sampled: bool) -> str:
   the drafter and K_max, greedy or sampled (rejection sampling accepts less), but not the
   device or the slot count (acceptance is the model's and the text's, not the machine's)."""
   # v2: from probes and drafting steps only (a plain step's check of the prefill's draft made
-  # v1's entries of plainly decoded jobs far too low: step.py)
-  return (f"acceptance-v2|weights={fingerprint}|drafter={engine.drafter}|k_max={engine.kd}"
+  # v1's entries of plainly decoded jobs far too low: step.py); v3: each rate with the
+  # pseudo-trials it counts for (priors.py)
+  return (f"acceptance-v3|weights={fingerprint}|drafter={engine.drafter}|k_max={engine.kd}"
           f"|{'sampled' if sampled else 'greedy'}")
 
 
-def load_rates(path: str, key: str) -> list[float] | None:
-  """The stored acceptance per draft position (-1 where unknown), or None."""
+def load_rates(path: str, key: str):
+  """-> (the stored acceptance per draft position (-1 where unknown), the pseudo-trials each
+  counts for), or None."""
   entry = _load_entry(path, key)
   try:
-    return [float(x) for x in entry["rates"]]
+    rates, trials = [float(x) for x in entry["rates"]], [float(x) for x in entry["trials"]]
   except (KeyError, TypeError, ValueError):
     return None
+  return (rates, trials) if len(rates) == len(trials) else None
 
 
-def save_rates(path: str, key: str, rates: list[float]):
-  """rates: the conditional acceptance per draft position (-1: unknown)."""
-  _save_entry(path, key, {"rates": [round(float(r), 4) for r in rates]})
+def save_rates(path: str, key: str, rates: list[float], trials: list[float]):
+  """rates: the conditional acceptance per draft position (-1: unknown); trials: the
+  pseudo-trials each counts for (priors.prior_trials)."""
+  _save_entry(path, key, {"rates": [round(float(r), 4) for r in rates],
+                          "trials": [round(float(t), 1) for t in trials]})
 
 
 def monotone(cost: list[float]) -> list[float]:
@@ -174,7 +179,9 @@ def measure_costs(engine, params, rel_err: float = 0.02, budget_s: float = 60.0,
   of engine.shape), every slot active: warm, `steps` steps per
   run, every k once per round (in alternating order). The controller only weighs costs against
   each other, so c(k) is the median over rounds of c(k) / c(0) within the round (a slow spell
-  of a shared machine slows a whole round alike) times the median c(0); made non-decreasing in
+  of a shared machine slows a whole round alike) times the median c(0); rows start from random
+  prompts of calibration_length tokens, so that they sit about the cache's middle; made
+  non-decreasing in
   k (see monotone). One run's time on a shared machine is off by several percent, and a table
   off by 8% in c(3) / c(1) turns the controller to the wrong k: rounds go on until the
   standard error of every ratio is below rel_err, or budget_s has passed (after min_rounds).
@@ -187,7 +194,8 @@ def measure_costs(engine, params, rel_err: float = 0.02, budget_s: float = 60.0,
   b, k1 = engine.cfg.batch_size, engine.n_shapes
   steps = min(steps, engine.cfg.ring_size)
   rng = np.random.default_rng(0)
-  prompts = [list(rng.integers(0, engine.model_cfg.vocab_size, 8)) for _ in range(b)]
+  prompts = [list(rng.integers(0, engine.model_cfg.vocab_size, calibration_length(engine, steps)))
+             for _ in range(b)]
   prefix = engine.prefill(params, prompts, jax.random.key(0), [0.0] * b, [0] * b, [1.0] * b)
 
   def one(k):
@@ -225,6 +233,16 @@ def measure_costs(engine, params, rel_err: float = 0.02, budget_s: float = 60.0,
   cost = monotone(cost[:engine.kd + 1]) + cost[engine.kd + 1:]       # chains, then trees
   return cost, {"rounds": len(rows), "rel_se": round(se, 4),
                 "dropped": [k for k in range(engine.kd + 1, k1) if k not in live]}
+
+
+def calibration_length(engine, steps: int) -> int:
+  """The prompt length the cost table is timed from: rows then sit about the middle of the
+  cache over the timed steps (random tokens: about one token a step), where a run's rows sit on
+  average, since blocked attention reads the live positions and a step of k drafts attends k + 1
+  queries, so c(k) / c(0) grows with the context (16 slots, demo model, 210 positions: c(2) /
+  c(0) 2.10 from 8 tokens, 2.20-2.38 from 96)."""
+  cap = engine.cfg.max_len - engine.span - 1
+  return int(max(8, min(engine.cfg.max_len // 2 - steps // 2, cap)))
 
 
 def _still_viable(engine, t, se_S) -> tuple[int, ...]:

@@ -16,6 +16,7 @@ from mtp_jax import adaptive as A
 from mtp_jax import api
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import engine as E
+from mtp_jax import priors as priors_lib
 from mtp_jax import ring as ring_lib
 from mtp_jax import tables as T
 from mtp_jax.config import DecodeConfig
@@ -55,12 +56,13 @@ def test_drafting_must_beat_plain_decoding_by_the_margin():
 
 def test_a_few_good_trials_near_break_even_do_not_switch_to_drafting():
   """One draft costs 1.78 plain steps: it pays above ~0.8 acceptance. A window reading 0.85 over
-  a probe's 16 trials (against an earlier runs' 0.72) is within its own error of break-even and
-  keeps plain decoding; the same rate over 400 trials drafts."""
+  a probe's 16 trials (against an earlier runs' 0.72 of 16 pseudo-trials) is within its own
+  error of break-even and keeps plain decoding; the same rate over 400 trials drafts."""
   cost = jnp.asarray([1.0, 1.78])
   conf, prior, active = jnp.full((16, 1), 0.5), jnp.asarray([0.72]), jnp.ones((16,), bool)
   for trials, want in ((16.0, 0), (400.0, 1)):
-    alpha = A.estimate(jnp.asarray([0.85]), jnp.asarray([trials]), conf, prior)
+    alpha = A.estimate(jnp.asarray([0.85]), jnp.asarray([trials]), conf, prior,
+                       jnp.asarray([16.0]))
     assert int(A.choose_k(cost, A.expected_emitted(alpha, active), 0.02)) == want, trials
 
 
@@ -94,24 +96,27 @@ def test_rows_scatter_sets_how_much_the_pool_counts_in_a_rows_estimate():
   """Rows alike: a row's estimate is the pool's (the pool's trials as pseudo-trials); one row
   far below the others (0.55 of 30 against 0.95): its estimate stays near its own counts."""
   act = jnp.ones((4,), bool)
-  alike = A.row_prior_trials(jnp.full((4, 1), 24.0), jnp.full((4, 1), 30.0), act)
-  np.testing.assert_allclose(np.asarray(alike), [120 + A.PRIOR_TRIALS])
+  most = jnp.asarray([136.0])             # the pool's trials and the prior's
+  alike = A.row_prior_trials(jnp.full((4, 1), 24.0), jnp.full((4, 1), 30.0), act, most)
+  np.testing.assert_allclose(np.asarray(alike), [136.0])
   hits = jnp.asarray([[28.5], [28.5], [28.5], [16.5]])
-  m = float(A.row_prior_trials(hits, jnp.full((4, 1), 30.0), act)[0])
+  m = float(A.row_prior_trials(hits, jnp.full((4, 1), 30.0), act, most)[0])
   pool = float(jnp.sum(hits)) / 120
   own = (16.5 + m * pool) / (30 + m)
   assert 1.0 <= m < 10 and own < 0.65, (m, own)
   # A done row does not count.
   done = jnp.asarray([True, True, True, False])
-  np.testing.assert_allclose(np.asarray(A.row_prior_trials(hits, jnp.full((4, 1), 30.0), done)),
-                             [90 + A.PRIOR_TRIALS])
+  np.testing.assert_allclose(
+      np.asarray(A.row_prior_trials(hits, jnp.full((4, 1), 30.0), done, jnp.asarray([106.0]))),
+      [106.0])
 
 
 def _probe_state(cost, prior):
   kd = len(prior)
   ctrl = A.init_controller(kd, cost, 4).replace(prior_rate=jnp.asarray(prior, jnp.float32))
   record = type("R", (), {"ring": ring_lib.init_ring(8, 2, kd), "step": jnp.asarray(0)})
-  return type("S", (), {"controller": ctrl, "record": record})
+  rows = type("Rows", (), {"done": jnp.zeros((2,), bool)})
+  return type("S", (), {"controller": ctrl, "record": record, "rows": rows})
 
 
 def test_no_probe_where_even_an_optimistic_rate_cannot_pay():
@@ -422,25 +427,28 @@ def test_rates_of_a_run_become_the_next_runs_prior():
   assert T.run_rates([100, 80, 60], [80, 60, 30]) == [0.8, 0.75, 0.5]
   assert T.run_rates([100, 10], [80, 5]) == [0.8, -1.0]
   conf = jnp.full((2, 3), 0.3)
-  no_trials = jnp.zeros((3,))
-  alpha = A.estimate(jnp.zeros((3,)), no_trials, conf, jnp.asarray([0.9, 0.8, -1.0]))
+  no_trials, m = jnp.zeros((3,)), jnp.full((3,), 16.0)
+  alpha = A.estimate(jnp.zeros((3,)), no_trials, conf, jnp.asarray([0.9, 0.8, -1.0]), m)
   # Known positions take the prior as it is, an unknown one the estimate before it: with no
   # trial in the window, no sampling error to guard against.
   np.testing.assert_allclose(np.asarray(alpha), [[0.9, 0.8, 0.8]] * 2, atol=1e-6)
   # A known prior outweighs the head's confidence, however sure the head.
   sure = jnp.asarray([[0.95, 0.3, 0.3], [0.3] * 3])
-  alpha = A.estimate(jnp.zeros((3,)), no_trials, sure, jnp.asarray([0.9, 0.8, -1.0]))
+  alpha = A.estimate(jnp.zeros((3,)), no_trials, sure, jnp.asarray([0.9, 0.8, -1.0]), m)
   np.testing.assert_allclose(np.asarray(alpha)[:, 0], [0.9, 0.9], atol=1e-6)
   # Without a prior, the heads' confidence.
-  alpha = A.estimate(jnp.zeros((3,)), no_trials, conf, jnp.full((3,), -1.0))
+  alpha = A.estimate(jnp.zeros((3,)), no_trials, conf, jnp.full((3,), -1.0), m)
   np.testing.assert_allclose(np.asarray(alpha), np.full((2, 3), 0.3), atol=1e-6)
-  # The window's counts outweigh the prior as they grow, less the window's weight times its
-  # standard error.
-  alpha = A.estimate(jnp.asarray([0.5, 0.5, 0.5]), jnp.asarray([48.0, 48.0, 0.0]), conf,
-                     jnp.asarray([0.9, 0.9, 0.9]))
-  blend = 0.75 * 0.5 + 0.25 * 0.9
-  se_w = 0.75 * np.sqrt(blend * (1 - blend) / 48)
-  np.testing.assert_allclose(np.asarray(alpha)[0], [blend - se_w, blend - se_w, 0.9], atol=1e-6)
+  # The window's counts outweigh the prior as they grow against its pseudo-trials, less the
+  # window's weight times its standard error.
+  for m_prior in (16.0, 144.0):
+    alpha = A.estimate(jnp.asarray([0.5, 0.5, 0.5]), jnp.asarray([48.0, 48.0, 0.0]), conf,
+                       jnp.asarray([0.9, 0.9, 0.9]), jnp.full((3,), m_prior))
+    lam = 48 / (48 + m_prior)
+    blend = lam * 0.5 + (1 - lam) * 0.9
+    se_w = lam * np.sqrt(blend * (1 - blend) / 48)
+    np.testing.assert_allclose(np.asarray(alpha)[0], [blend - se_w, blend - se_w, 0.9],
+                               atol=1e-6)
 
 
 def test_a_prior_alone_is_not_discounted_as_a_sample():
@@ -451,37 +459,55 @@ def test_a_prior_alone_is_not_discounted_as_a_sample():
   outweighed it; as a measured rate it drafts 3."""
   cost = jnp.asarray([1.0, 1.75, 2.27, 2.43])
   prior, conf, active = jnp.asarray([0.77, 0.79, 0.86]), jnp.full((1, 3), 0.5), jnp.ones((1,), bool)
-  alpha = A.estimate(jnp.zeros((3,)), jnp.zeros((3,)), conf, prior)
+  alpha = A.estimate(jnp.zeros((3,)), jnp.zeros((3,)), conf, prior, jnp.full((3,), 16.0))
   assert int(A.choose_k(cost, A.expected_emitted(alpha, active), 0.06)) == 3
-  as_sample = prior - np.sqrt(prior * (1 - prior) / A.PRIOR_TRIALS)
+  as_sample = prior - np.sqrt(prior * (1 - prior) / 16.0)
   assert int(A.choose_k(cost, A.expected_emitted(as_sample[None], active), 0.06)) == 0
 
 
-def test_the_prior_pools_the_counts_of_the_decoders_runs(trained_tiny, tmp_path):
-  """The next run's prior is the acceptance of all this decoder's runs, pooled by their trials:
-  one hard request (at one slot a run may hold only it) does not set every later run's prior.
-  It is stored after the first run, and again once the decoder is collected."""
-  _, workdir, _ = trained_tiny
-  mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
-  dec = api.Decoder(mcfg, hcfg, params, tok,
-                    DecodeConfig(batch_size=1, max_len=64, adaptive=True, ring_size=8))
-  assert dec.engine.kd == 4
-  path, key = str(tmp_path / "tables.json"), T.rates_key(dec.engine, "w", False)
-  dec._rates_path, dec._fingerprint = path, "w"                 # as calibrate sets them
-  runs = [([100, 90, 80, 70], [90, 80, 70, 60]),       # an easy request
-          ([40, 16, 4, 0], [16, 4, 0, 0])]            # a hard one: later positions unknown
-  dec.last_stats = dict(zip(("cond_trials", "cond_hits"), runs[0]))
-  dec._learn(False, None)
-  assert dec._prior[False] == T.run_rates(*runs[0])
-  dec.last_stats = dict(zip(("cond_trials", "cond_hits"), runs[1]))
-  dec._learn(False, dec._prior[False])
+def test_the_prior_pools_the_counts_of_the_decoders_requests(tmp_path):
+  """The next run's prior is the acceptance of all the decoder's requests so far, pooled by
+  their trials: one hard request (at one slot a run may hold only it) does not set every later
+  run's prior. It is stored after the first run, and again once the decoder is collected."""
+  path = str(tmp_path / "tables.json")
+  pri = priors_lib.Priors(4)
+  pri.path, pri.keys = path, {False: "greedy", True: "sampled"}      # as calibrate sets them
+  assert pri.start(False) == (None, None)
+  easy = ([100, 90, 80, 70], [90, 80, 70, 60])
+  hard = ([40, 16, 4, 0], [16, 4, 0, 0])             # later positions unknown
+  pri.learn(False, [easy[0]], [easy[1]])
+  rates, m = pri.start(False)
+  assert rates == T.run_rates(*easy) and m == [1.0] * 4      # one request: one pseudo-trial
+  pri.learn(False, [hard[0]], [hard[1]])
   pooled = [106 / 140, 84 / 106, 70 / 84, 60 / 70]
-  np.testing.assert_allclose(dec._prior[False], pooled)
-  assert True not in dec._prior and True not in dec._counts        # sampled runs apart
-  assert T.load_rates(path, key) == pytest.approx(T.run_rates(*runs[0]), abs=1e-4)
-  del dec
+  np.testing.assert_allclose(pri.start(False)[0], pooled)
+  assert pri.start(True) == (None, None)                              # sampled runs apart
+  assert T.load_rates(path, "greedy") == (pytest.approx(T.run_rates(*easy), abs=1e-4), [1.0] * 4)
+  stored = pri.start(False)
+  del pri
   gc.collect()
-  assert T.load_rates(path, key) == pytest.approx(pooled, abs=1e-4)
+  got = T.load_rates(path, "greedy")
+  assert got[0] == pytest.approx(stored[0], abs=1e-4) and got[1] == pytest.approx(stored[1], 0.01)
+
+
+def test_the_priors_weight_follows_how_far_requests_scatter():
+  """Requests that accept alike (each 0.8 of 100 first drafts): the pool counts for all its
+  trials. Requests far apart (0.95 and 0.55): for a few, so that the window's 16 trials of the
+  request at hand (0.55) soon outweigh it, where the alike pool would hold the estimate near
+  its own rate. The weight is the beta-binomial moments' (tau^2 = p (1 - p) / (m + 1))."""
+  def weight(hits):
+    c = priors_lib.Counts(1)
+    c.add([[100.0]] * len(hits), [[h] for h in hits])
+    return c.prior()[1][0]
+  assert weight([80.0] * 10) == pytest.approx(1000.0)
+  m = weight([95.0, 55.0] * 5)
+  p, scatter = 0.75, 0.2 ** 2
+  assert m == pytest.approx(p * (1 - p) / (scatter - p * (1 - p) / 100) - 1, rel=1e-6)
+  assert 1.0 <= m < 6.0
+  conf = jnp.full((1, 1), 0.5)
+  at = lambda m_: float(A.estimate(jnp.asarray([0.55]), jnp.asarray([16.0]), conf,
+                                   jnp.asarray([0.75]), jnp.asarray([m_]))[0, 0])
+  assert at(m) < 0.55 < 0.7 < at(1000.0)
 
 
 @pytest.mark.slow
@@ -532,6 +558,7 @@ def test_a_later_process_starts_from_the_acceptance_a_run_stored(trained_tiny, t
       if not starts:
         ctrl = state.controller
         starts.append(np.asarray(ctrl.prior_rate))
+        starts.append(np.asarray(ctrl.prior_trials))
       return generate(params_, state, *a, **kw)
     dec.engine.generate = spy
     return dec, starts
@@ -543,7 +570,8 @@ def test_a_later_process_starts_from_the_acceptance_a_run_stored(trained_tiny, t
   assert st["cond_trials"][0] >= 16, st
   stored = T.load_rates(path, T.rates_key(dec.engine, T.params_fingerprint(params), False))
   assert stored is not None
-  assert stored[0] >= 0
+  stored, weights = stored
+  assert stored[0] >= 0 and weights[0] >= 1.0
   assert stored == pytest.approx(T.run_rates(st["cond_trials"], st["cond_hits"]), abs=1e-4)
   assert T.load_rates(path, T.rates_key(dec.engine, T.params_fingerprint(params), True)) is None
 
@@ -551,6 +579,10 @@ def test_a_later_process_starts_from_the_acceptance_a_run_stored(trained_tiny, t
   dec2.run(reqs)
   np.testing.assert_allclose(starts2[0], [stored[0]] + [-1.0] * (dec2.engine.kd - 1),
                              atol=1e-6)
+  # Its weight as stored; a guess (unknown rate) counts for one window.
+  window = dcfg.accept_window
+  np.testing.assert_allclose(starts2[1], [weights[0]] + [window] * (dec2.engine.kd - 1),
+                             atol=0.05)
 
   other = jax.tree.map(lambda x: x * 1.01 if jnp.issubdtype(x.dtype, jnp.floating) else x,
                        params)

@@ -187,8 +187,8 @@ def lower_blend(alpha_BK, trials_K, m_K):
   of m_K pseudo-trials: the window's weight times the window's binomial error,
   lam sqrt(a (1 - a) / n) = sqrt(a (1 - a) n) / (n + m). The guard is against the window's
   sampling error (a k chosen on counts that look high); a prior is no sample picked for looking
-  high: earlier runs' rate, measured over far more trials than the window holds, or a guess (a head's
-  confidence, the position before's estimate). With no trial in the window: the prior."""
+  high: earlier runs' rate, measured over far more trials than the window holds, or a guess (a
+  head's confidence, the position before's estimate). With no trial in the window: the prior."""
   se_BK = jnp.sqrt(alpha_BK * (1.0 - alpha_BK) * trials_K) / (trials_K + m_K)
   return jnp.clip(alpha_BK - se_BK, 0.0, 1.0)
 

@@ -1,19 +1,20 @@
 """Adaptive k's prior: what earlier requests of the same weights accepted, and what it counts for.
 
-The controller blends the window's rate at each draft position with a prior (adaptive.blend).
-The prior is the conditional acceptance this decoder's earlier requests measured there, their
-counts pooled (one hard request does not set the next run's prior), and it counts for m
-pseudo-trials, from how far the requests' own rates scatter around the pool (empirical Bayes,
-beta-binomial moments, as adaptive.row_prior_trials weighs the pool in a row's estimate): the
-text at hand is one more request, so where requests accept alike the pool counts for all its
-trials, and where they differ for few, so that the window's counts of the request at hand soon
-outweigh it. With fewer than two requests measured at a position, nothing says how alike they
-are: one pseudo-trial. A position no request measured takes a guess instead (the head's
-confidence, the estimate of the position before), counting for one window (init_controller).
+The controller blends the window's rate at each draft position with a prior (adaptive.blend). The
+prior is the conditional acceptance this decoder's earlier requests measured there, their counts
+pooled (one hard request does not set the next run's prior), and it counts for m pseudo-trials,
+from how far the requests' own rates scatter around the pool (empirical Bayes, beta-binomial
+moments, as adaptive.row_prior_trials weighs the pool in a row's estimate): the text at hand is
+one more request, so where requests accept alike the pool counts for many trials (as many as a
+scatter within its own error allows), and where they differ for few, so that the window's counts
+of the request at hand soon outweigh it (per active row of the window's: adaptive.prior_weight).
+With fewer than two requests measured at a position,
+nothing says how alike they are: one pseudo-trial. A position no request measured takes a guess
+instead (the head's confidence, the estimate of the position before), counting for one window
+(init_controller).
 
-Greedy and sampled runs keep apart (rejection sampling accepts less). A later process starts
-from the first position's rate and weight, stored beside the cost table (tables.save_rates).
-Host side.
+Greedy and sampled runs keep apart (rejection sampling accepts less). A later process starts from
+the first position's rate and weight, stored beside the cost table (tables.save_rates). Host side.
 """
 
 from __future__ import annotations
@@ -29,15 +30,19 @@ def prior_trials(n_J, s1, s2, inv_n, trials, hits):
   """-> [K]: the pseudo-trials the pooled rate hits / trials counts for, per position, from the
   requests' moments there: n_J requests measured (trials > 0), the sums of their rates r_j, of
   r_j^2 and of 1 / trials_j. True rates spread around the pool's p with variance
-  tau^2 = p (1 - p) / (m + 1); tau^2 is the requests' scatter less their binomial noise. No
-  scatter beyond the noise: the pool's trials; fewer than two requests: 1."""
+  tau^2 = p (1 - p) / (m + 1); tau^2 is the requests' scatter less their binomial noise, taken
+  at least its own standard error (~ the noise times sqrt(2 / J) over J requests): scatter too
+  small to tell from the noise bounds m, it does not make the prior count for every trial the
+  pool holds, which would keep the window from ever moving it (text unlike the earlier
+  requests', another process's). Fewer than two requests: 1; at most the pool's trials."""
   n_J, trials = np.asarray(n_J, float), np.asarray(trials, float)
   j = np.maximum(n_J, 1.0)
   p = np.asarray(hits, float) / np.maximum(trials, 1.0)
   pq = p * (1.0 - p)
   scatter = (np.asarray(s2) - 2.0 * p * np.asarray(s1)) / j + p * p
-  tau2 = scatter - pq * np.asarray(inv_n) / j
-  with np.errstate(divide="ignore"):
+  noise = pq * np.asarray(inv_n) / j
+  tau2 = np.maximum(scatter - noise, noise * np.sqrt(2.0 / j))
+  with np.errstate(divide="ignore", invalid="ignore"):
     m = np.where(tau2 > 0, pq / np.maximum(tau2, 1e-12) - 1.0, trials)
   m = np.clip(m, 1.0, np.maximum(trials, 1.0))
   return np.where(n_J >= 2, m, 1.0)

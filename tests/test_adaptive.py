@@ -491,11 +491,11 @@ def test_the_prior_pools_the_counts_of_the_decoders_requests(tmp_path):
 
 
 def test_the_priors_weight_follows_how_far_requests_scatter():
-  """Requests that accept alike (each 0.8 of 100 first drafts): the pool counts for as many trials as
-  a scatter within its own error allows. Requests far apart (0.95 and 0.55): for a few, so that
-  the window's 16 trials of the request at hand (0.55) soon outweigh it, where the alike pool
-  would hold the estimate near its own rate. The weight is the beta-binomial moments' (tau^2 = p
-  (1 - p) / (m + 1))."""
+  """Requests that accept alike (each 0.8 of 100 first drafts): the pool counts for as many
+  trials as a scatter within its own error allows. Requests far apart (0.95 and 0.55): for a
+  few, so that the window's 16 trials of the request at hand (0.55) soon outweigh it, where the
+  alike pool would hold the estimate near its own rate. The weight is the beta-binomial
+  moments' (tau^2 = p (1 - p) / (m + 1))."""
   def weight(hits):
     c = priors_lib.Counts(1)
     c.add([[100.0]] * len(hits), [[h] for h in hits])

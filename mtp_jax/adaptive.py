@@ -67,8 +67,8 @@ class Controller:
                            # window (priors.py; a guess where the rate is unknown: one window)
 
 
-def init_controller(kd: int, cost, probe_every: int, prior=None, prior_trials=None,
-                    window: int = 16) -> Controller:
+def init_controller(kd: int, cost, probe_every: int, window: int, prior=None,
+                    prior_trials=None) -> Controller:
   """prior [Kd]: the conditional acceptance per position earlier runs measured (default
   unknown, -1); prior_trials [Kd]: what it counts for (default, and where the rate is unknown:
   one window, `window` trials)."""

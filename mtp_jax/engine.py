@@ -130,7 +130,8 @@ class Engine:
 
   def init_state(self, seed: int = 0, prior=None, prior_trials=None) -> DecodeState:
     """prior [Kd]: adaptive k's acceptance per draft position from earlier runs (-1 unknown);
-    prior_trials [Kd]: the pseudo-trials it counts for (priors.py; default one window)."""
+    prior_trials [Kd]: the pseudo-trials it counts for (priors.py; default one window, as
+    where the rate is unknown: adaptive.init_controller)."""
     prior = np.asarray([-1.0] * self.kd if prior is None else prior, np.float32)
     m = np.asarray([self.cfg.accept_window] * self.kd if prior_trials is None else prior_trials,
                    np.float32)

@@ -8,10 +8,9 @@ moments, as adaptive.row_prior_trials weighs the pool in a row's estimate): the 
 one more request, so where requests accept alike the pool counts for many trials (as many as a
 scatter within its own error allows), and where they differ for few, so that the window's counts
 of the request at hand soon outweigh it (per active row of the window's: adaptive.prior_weight).
-With fewer than two requests measured at a position,
-nothing says how alike they are: one pseudo-trial. A position no request measured takes a guess
-instead (the head's confidence, the estimate of the position before), counting for one window
-(init_controller).
+With fewer than two requests measured at a position, nothing says how alike they are: one
+pseudo-trial. A position no request measured takes a guess instead (the head's confidence, the
+estimate of the position before), counting for one window (init_controller).
 
 Greedy and sampled runs keep apart (rejection sampling accepts less). A later process starts from
 the first position's rate and weight, stored beside the cost table (tables.save_rates). Host side.

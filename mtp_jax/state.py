@@ -142,8 +142,8 @@ def initial(eng, key, cost, prior, prior_trials=None) -> DecodeState:
                   cond_trials=zeros_k, cond_hits=zeros_k)
   controller = None
   if eng.cfg.adaptive:
-    controller = adaptive.init_controller(kd, cost, eng.cfg.probe_every, prior, prior_trials,
-                                          eng.cfg.accept_window)
+    controller = adaptive.init_controller(kd, cost, eng.cfg.probe_every, eng.cfg.accept_window,
+                                          prior, prior_trials)
   return DecodeState(rows=rows, drafts=drafts, caches=caches,
                      sampling=sampling.init_params(jax.random.split(key, b), b), record=record,
                      controller=controller)

@@ -181,10 +181,10 @@ def measure_costs(engine, params, rel_err: float = 0.02, budget_s: float = 60.0,
   each other, so c(k) is the median over rounds of c(k) / c(0) within the round (a slow spell
   of a shared machine slows a whole round alike) times the median c(0); rows start from random
   prompts of calibration_length tokens, so that they sit about the cache's middle; made
-  non-decreasing in
-  k (see monotone). One run's time on a shared machine is off by several percent, and a table
-  off by 8% in c(3) / c(1) turns the controller to the wrong k: rounds go on until the
-  standard error of every ratio is below rel_err, or budget_s has passed (after min_rounds).
+  non-decreasing in k (see monotone). One run's time on a shared machine is off by several
+  percent, and a table off by 8% in c(3) / c(1) turns the controller to the wrong k: rounds go
+  on until the standard error of every ratio is below rel_err, or budget_s has passed (after
+  min_rounds).
   A tree that could not be chosen even at a cost two standard errors below its estimate
   (ShapeSet.viable at the model's rates) is measured no further: its precision changes nothing,
   and where a step of T+1 tokens costs far more than one (XLA:CPU) the trees would take most of

@@ -113,7 +113,7 @@ def test_rows_scatter_sets_how_much_the_pool_counts_in_a_rows_estimate():
 
 def _probe_state(cost, prior):
   kd = len(prior)
-  ctrl = A.init_controller(kd, cost, 4).replace(prior_rate=jnp.asarray(prior, jnp.float32))
+  ctrl = A.init_controller(kd, cost, 4, 8).replace(prior_rate=jnp.asarray(prior, jnp.float32))
   record = type("R", (), {"ring": ring_lib.init_ring(8, 2, kd), "step": jnp.asarray(0)})
   rows = type("Rows", (), {"done": jnp.zeros((2,), bool)})
   return type("S", (), {"controller": ctrl, "record": record, "rows": rows})

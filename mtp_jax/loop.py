@@ -1,44 +1,35 @@
 """The loops of one `generate` call: steps in `lax.while_loop`s on the device, state carried.
 
 A fixed-k engine runs one loop of its step. Adaptive k runs segments of adapt_every steps whose
-k the controller chooses at the start of each (segments run across calls: the step count tells
+shape the controller chooses where each begins (segments run across calls: the step count tells
 where one is). A drafting step drafts its own k and the first draft's confidence (what the
 controller reads); where the controller raises k, the first step of the larger k verifies the
 drafts there are (n_fresh), and the controller estimates the positions past a row's fresh
-drafts from the rates and the prior (controller_limit). A plain segment drafts nothing,
-except a probe segment: its last two steps draft one head each, and a plain step holding a fresh
-draft checks it against the token it chose (step._shadow_check: what a step of one draft would
-have accepted, nothing committed), so that the controller sees real acceptance in the window and
-fresh confidences when acceptance may have recovered, at the cost of the heads' work alone.
-(Confidences alone keep a controller that began plain there: the heads' peak probability
-understates how often their drafts are accepted, and nothing else would ever be verified.) Probes
-come every probe_gap plain segments, and only where one could lead to drafting: some k beats
-plain decoding at the rates one standard error above their estimates (adaptive.worth_probing;
-else plain decoding runs to the end of the call); the gap doubles after each probe that leads to
-no drafting (up to probe_every_max); after a drafting segment it is accept_window steps (in
-segments): the turn to plain decoding is checked again once the rates that made it have left
-the window.
+drafts from the rates and the prior (controller_limit). A plain segment drafts nothing, except
+a probe: its last two steps draft one head each, and a plain step holding a fresh draft checks
+it against the token it chose (step._shadow_check: what a step of one draft would have
+accepted, nothing committed), so that the window sees real acceptance and fresh confidences
+when acceptance may have recovered, at the cost of the heads' work alone. (Confidences alone
+keep a controller that began plain there: the heads' peak probability understates how often
+their drafts are accepted, and nothing else would ever be verified.) A probe comes every
+probe_gap plain segments, and only where it could lead to drafting: some k beats plain decoding
+at the rates one standard error above their estimates (adaptive.worth_probing; once it says no,
+none until the call's end); the gap doubles after each probe (up to probe_every_max) and is
+accept_window steps (in segments) after a drafting segment: the turn to plain decoding is
+checked again once the rates that made it have left the window.
 
-An adaptive call runs rounds of four loops, in order, each step a fixed-k engine's own step:
-1. one loop per drafting shape of ks (k > 0, then adaptive k's trees), the largest index first,
-   each running while the controller keeps to its k (checked by a lax.cond where a segment ends);
-2. plain segments up to the start of the next probe segment: with no fresh drafts the controller
-   can only choose 0 again;
-3. the probe loop: probe segments (plain steps, the last two drafting one head), while the
-   controller keeps to plain decoding; it stops where a drafting segment or a plain run would
-   begin;
-4. that plain run, as in 2.
-Where the controller raises k past the loops already run (a probe that leads to drafting, a k
-raised above the loop's), the next round runs it, in the same call; the call ends after its
-num_steps steps, where no row goes on, or after a round that ran no step. Why loops: a
-lax.switch over variants gives each branch a copy of every buffer it updates (the whole KV cache,
-every step); a while_loop updates its carry in place. Why loops that run while the controller
-keeps to a shape, and not a loop of segments: nested in a segment loop (entered every
-adapt_every steps), the same steps ran 4-8% slower on XLA:CPU; a round is entered where the
-shape changes. The controller is asked only where its answer can change what runs (a lax.cond
-around each evaluation): choose_k where a row holds fresh drafts (without one plain decoding is
-the cheapest shape), worth_probing where a probe is due within the call; a call inside a plain
-run asks nothing.
+An adaptive call runs rounds of loops, each loop one shape's step: the drafting shapes of ks
+(chains k > 0, then adaptive k's trees), the largest index first; plain steps; a probe's two
+drafting steps. Each runs while the segment's shape is its own; where a step ends a segment,
+`next_segment` (behind a lax.cond) keeps the bookkeeping and sets the next segment's shape and
+whether it probes. Where that hands over to a loop already passed, the next round runs it; the
+call ends after num_steps steps, where no row goes on, or after a round that ran no step. Why
+loops: a lax.switch over shapes gives each branch a copy of every buffer it updates (the whole
+KV cache, every step); a while_loop updates its carry in place. The controller is asked only
+where its answer can change what runs: choose_k where some row holds a fresh draft (without one
+plain decoding is the cheapest shape), worth_probing where a probe is due. XLA:CPU's cost per
+call grows with the program's size, loops not run included (an empty call of the demo's
+adaptive program: ~120 us a step variant), so each step variant is compiled once.
 """
 
 from __future__ import annotations
@@ -46,6 +37,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from mtp_jax import adaptive
 from mtp_jax import step as step_lib
@@ -147,114 +139,107 @@ class Loop:
   # ------------------------------------------------------------------ adaptive k
 
   def adaptive(self, state: DecodeState) -> DecodeState:
+    """Rounds of loops, one per step variant: (shape k, drafts made nd, while what holds)."""
     if max(self.ks) == 0:   # no k can pay under the cost table (adaptive.viable_ks): plain
       return self.fixed(state, 0, 0)
+    every = self.every
+    late = lambda st: st.record.step % every >= every - 2      # a probe's drafting steps
+    loops = [(k, self.eng.depth(k), lambda s, k=k: s.kc == k) for k in sorted(self.ks[1:])[::-1]]
+    loops += [(0, 0, lambda s: (s.kc == 0) & ~(s.probe & late(s.st))),
+              (0, 1, lambda s: (s.kc == 0) & s.probe & late(s.st))]
 
     def round_(c):
-      """The four loops once, from the shape index kc the controller chose."""
-      i, kc, st, _ = c
-      i0 = i
-      i, kc, st = self.drafting(i, kc, st)
-      i, st = self.plain(i, kc, st)
-      # The probe loop's carry: (i, the k it stopped at (-1: none yet), st).
-      i, k_stop, st = jax.lax.while_loop(
-          lambda c: (c[1] < 0) & (c[0] < self.num_steps) & self.goes_on(c[2]),
-          self.probe_segment, (i, jnp.asarray(-1, jnp.int32), st))
-      # Where it stopped at a plain run (after a probe that found nothing worth drafting), the
-      # run follows, up to the next probe.
-      i, st = self.plain(i, k_stop, st)
-      return i, k_stop, st, i > i0
+      """Each loop once, in order; each runs while its condition holds."""
+      i0 = c.i
+      for k, nd, keeps in loops:
+        c = jax.lax.while_loop(lambda c, keeps=keeps: keeps(c) & self.call_goes_on(c),
+                               lambda c, k=k, nd=nd: self.segment_step(c, k, nd), c)
+      return c.replace(ran=c.i > i0)
 
-    # Rounds while the call goes on: where the probe loop leads to drafting, the next round's
-    # drafting loops run it. A round that ran no step ends the call.
-    return jax.lax.while_loop(
-        lambda c: c[3] & (c[0] < self.num_steps) & self.goes_on(c[2]), round_,
-        (self.zero, self.choose(state), state, jnp.asarray(True)))[2]
+    # Rounds while the call goes on: where a loop hands over to one passed already, the next
+    # round runs it. A round that ran no step ends the call.
+    c = jax.lax.while_loop(lambda c: c.ran & self.call_goes_on(c), round_, self.start(state))
+    return c.st
 
-  def choose(self, st: DecodeState):
-    """The k of the segment st's step begins, or continues: a call that begins inside a
-    drafting segment continues it (k is chosen once per segment; inside a plain segment it
-    chooses again: rows inserted since bring fresh drafts)."""
+  def call_goes_on(self, c) -> jax.Array:
+    return (c.i < self.num_steps) & self.goes_on(c.st)
+
+  def start(self, st: DecodeState) -> "_Carry":
+    """The call's carry: the shape of the segment st's step begins or continues (a call that
+    begins inside a drafting segment continues it; inside a plain segment it chooses again:
+    rows inserted since bring fresh drafts), and whether that segment probes."""
     c = st.controller
     ok_S = allowed(self.eng, st, self.ks)
     cont = ((st.record.step % self.every > 0) & (c.seg_k > 0) & (c.k_force < 0) & ok_S[c.seg_k])
-    # Without a fresh draft every shape expects one token a row, and only a shape that costs
-    # less than a plain step (by the margin) could be chosen: the controller is asked only where
-    # a row holds fresh drafts, k is forced, or the cost table has such a shape.
-    cheaper = jnp.any(c.cost[1:] * (1.0 + self.eng.cfg.adapt_margin) < c.cost[0])
-    ask = jnp.any(~st.rows.done & (st.drafts.n_fresh > 0)) | (c.k_force >= 0) | cheaper
+    ask = self.fresh(st) | (c.k_force >= 0)
     chosen = _lazily(~cont & ask, lambda: choose_k(self.eng, st, self.ks, self.closed, ok_S),
                      self.zero)
-    return jnp.where(cont, c.seg_k, chosen)
+    kc = jnp.where(cont, c.seg_k, chosen)
+    probe, hopeless = self.probes(st, kc, jnp.asarray(False))
+    return _Carry(i=self.zero, kc=kc, probe=probe, hopeless=hopeless,
+                  st=_set_controller(st, seg_k=kc), ran=jnp.asarray(True))
 
-  def drafting(self, i, kc, st: DecodeState):
-    """Loop 1: one loop per drafting shape (k > 0, then trees), the largest index first, from
-    the shape index kc. -> (i, the shape index the call goes on with, st)."""
-    every = self.every
-    after_drafting = min(-(-self.eng.cfg.accept_window // every), self.eng.cfg.probe_every_max)
-
-    def steady(k: int):
-      k_ = jnp.asarray(k, jnp.int32)
-
-      def body(c):
-        i, _, st = c
-        st = self.eng.step(self.m, st, k, self.sample, self.eng.depth(k), dm=self.dm,
-                           want_conf=True, ranked=self.ranked)
-        nk = jax.lax.cond(st.record.step % every == 0,
-                          lambda s: choose_k(self.eng, s, self.ks, self.closed), lambda s: k_, st)
-        return i + 1, nk, st
-      return body
-
-    i_start, seg = i, st.controller.seg_k
-    for k in sorted(self.ks[1:], reverse=True):
-      i0 = i
-      i, kc, st = jax.lax.while_loop(
-          lambda c, k=k: (c[1] == k) & (c[0] < self.num_steps) & self.goes_on(c[2]), steady(k),
-          (i, kc, st))
-      seg = jnp.where(i > i0, k, seg)
-    ran = i > i_start
+  def fresh(self, st: DecodeState) -> jax.Array:
+    """Whether the controller could choose k > 0: some active row holds a fresh draft, or the
+    cost table has a shape cheaper than a plain step (by the margin). Without a fresh draft
+    every shape expects one token a row, so plain decoding is then the cheapest."""
     c = st.controller
-    st = _set_controller(st, probe_gap=jnp.where(ran, after_drafting, c.probe_gap),
-                         plain_segs=jnp.where(ran, 0, c.plain_segs), seg_k=seg)
-    return i, kc, st
+    cheaper = jnp.any(c.cost[1:] * (1.0 + self.eng.cfg.adapt_margin) < c.cost[0])
+    return jnp.any(~st.rows.done & (st.drafts.n_fresh > 0)) | cheaper
 
-  def plain(self, i, k, st: DecodeState):
-    """Plain segments that do not probe draft nothing, and with no fresh drafts the controller
-    can only choose 0 again: where k is 0 they run in one top-level loop up to the start of the
-    probe segment (a k forced to plain decoding, as when the cost table is measured: to the end
-    of the call). -> (i, st)"""
-    every, c = self.every, st.controller
-    phase = st.record.step % every
-    # No probe is due where none could lead to drafting (forced, or not worth_probing); asked
-    # only where a probe is due within the call (else the run ends at the call's end either way).
-    to_probe = every * (c.probe_gap - 1 - c.plain_segs) - phase
-    ask = (k == 0) & (c.k_force < 0) & (i < self.num_steps) & (to_probe < self.num_steps - i)
-    to_end = (c.k_force >= 0) | ~_lazily(ask, lambda: worth_probing(self.eng, st, self.ks))
-    run = (k == 0) & (to_end | (c.plain_segs + 1 < c.probe_gap))
-    n_run = jnp.where(to_end, self.num_steps - i, to_probe)
-    j, i, st = self.steps(self.zero, i, st, 0, 0, lambda j: run & (j < n_run), want_conf=False)
+  def probes(self, st: DecodeState, kc, hopeless):
+    """Whether the plain segment st begins probes: one is due (probe_gap plain segments since
+    the last probe or drafting segment), k is not forced, and it could lead to drafting
+    (worth_probing, asked only where due; once it says no, plain decoding runs to the end of
+    the call, hopeless). -> (probe, hopeless)."""
     c = st.controller
-    return i, _set_controller(st, plain_segs=c.plain_segs + (phase + j) // every,
-                              seg_k=jnp.where(j > 0, 0, c.seg_k))
+    due = (kc == 0) & (c.plain_segs + 1 >= c.probe_gap) & (c.k_force < 0) & ~hopeless
+    worth = _lazily(due, lambda: worth_probing(self.eng, st, self.ks))
+    return due & worth, hopeless | (due & ~worth)
 
-  def probe_segment(self, carry):
-    """Loop 3's body: one probe segment where the controller keeps to plain decoding and a
-    probe is due; else nothing, and the k to stop at."""
-    i, _, st = carry
-    every = self.every
-    phase = st.record.step % every
-    k = self.choose(st)
-    c = st.controller
-    due = (k == 0) & (c.plain_segs + 1 >= c.probe_gap) & (c.k_force < 0)
-    probe = due & _lazily(due, lambda: worth_probing(self.eng, st, self.ks))
-    n_run = every - phase                      # steps to the end of the segment
-    j, i, st = self.steps(self.zero, i, st, 0, 0, lambda j: probe & (j < n_run - 2),
-                          want_conf=False)
-    j, i, st = self.steps(j, i, st, 0, 1, lambda j: probe & (j < n_run), want_conf=True)
-    ended = (phase + j) // every               # segments completed
-    c = st.controller
-    gap = jnp.minimum(2 * c.probe_gap, self.eng.cfg.probe_every_max)
-    return i, jnp.where(probe, -1, k), _set_controller(
-        st, probe_gap=jnp.where(ended > 0, gap, c.probe_gap),
-        plain_segs=jnp.where(ended > 0, 0, c.plain_segs),
-        seg_k=jnp.where(probe, 0, c.seg_k))
+  def segment_step(self, c: "_Carry", k: int, nd: int) -> "_Carry":
+    """One step of k drafts (nd made: Kd's depth when drafting, one in a probe's last two
+    steps, else none); where it ends a segment, the next segment's shape and whether it probes
+    (next_segment)."""
+    st = self.eng.step(self.m, c.st, k, self.sample, nd, dm=self.dm, want_conf=k > 0 or nd > 0,
+                       ranked=self.ranked)
+    c = c.replace(i=c.i + 1, st=st)
+    ends = st.record.step % self.every == 0
+    kc, probe, hopeless, gap, segs = jax.lax.cond(
+        ends, lambda: self.next_segment(c, k),
+        lambda: (c.kc, c.probe, c.hopeless, st.controller.probe_gap, st.controller.plain_segs))
+    st = _set_controller(st, probe_gap=gap, plain_segs=segs, seg_k=kc)
+    return c.replace(kc=kc, probe=probe, hopeless=hopeless, st=st)
+
+  def next_segment(self, c: "_Carry", k: int):
+    """At a segment's end, after a segment of k drafts: its bookkeeping (after a drafting
+    segment the next probe comes once the rates that made it have left the window; after a
+    probe the gap doubles, up to probe_every_max; a plain segment counts), then the next
+    segment's shape (the controller asked where it could choose k > 0) and whether it probes.
+    -> (kc, probe, hopeless, probe_gap, plain_segs)."""
+    cfg, st = self.eng.cfg, c.st
+    ctrl = st.controller
+    if k > 0:
+      gap = jnp.asarray(min(-(-cfg.accept_window // self.every), cfg.probe_every_max), jnp.int32)
+      segs = self.zero
+    else:
+      gap = jnp.where(c.probe, jnp.minimum(2 * ctrl.probe_gap, cfg.probe_every_max),
+                      ctrl.probe_gap)
+      segs = jnp.where(c.probe, 0, ctrl.plain_segs + 1)
+    st = _set_controller(st, probe_gap=gap, plain_segs=segs)
+    # A forced k keeps its shape (a drafting one is checked against the rows' room).
+    ask = (self.fresh(st) & (ctrl.k_force < 0)) | (k > 0)
+    kc = _lazily(ask, lambda: choose_k(self.eng, st, self.ks, self.closed), self.zero)
+    probe, hopeless = self.probes(st, kc, c.hopeless)
+    return kc, probe, hopeless, gap, segs
+
+
+@struct.dataclass
+class _Carry:
+  """The adaptive loops' carry."""
+  i: jax.Array             # [] steps run in this call
+  kc: jax.Array            # [] the shape index of the current segment
+  probe: jax.Array         # [] bool: the current (plain) segment probes
+  hopeless: jax.Array      # [] bool: worth_probing said no in this call (no probe until its end)
+  st: DecodeState
+  ran: jax.Array           # [] bool: the last round ran a step

@@ -198,9 +198,9 @@ class Loop:
     return due & worth, hopeless | (due & ~worth)
 
   def segment_step(self, c: "_Carry", k: int, nd: int) -> "_Carry":
-    """One step of k drafts (nd made: Kd's depth when drafting, one in a probe's last two
-    steps, else none); where it ends a segment, the next segment's shape and whether it probes
-    (next_segment)."""
+    """One step of shape k (nd drafts made: the shape's depth when drafting, one in a probe's
+    last two steps, else none); where it ends a segment, the next segment's shape and whether it
+    probes (next_segment)."""
     st = self.eng.step(self.m, c.st, k, self.sample, nd, dm=self.dm, want_conf=k > 0 or nd > 0,
                        ranked=self.ranked)
     c = c.replace(i=c.i + 1, st=st)

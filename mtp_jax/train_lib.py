@@ -191,16 +191,7 @@ def train(cfg: Config, workdir: str, log: Callable[[str], None] = logging.info,
   """
   os.makedirs(workdir, exist_ok=True)
   train_setup.check_run_config(workdir, cfg)
-  train_files, heldout_files = data_lib.split_files(cfg.data)
-  tokenizer = train_setup.load_or_train_tokenizer(cfg, workdir, train_files)
-  train_tokens = train_setup.token_cache(workdir, "train", cfg, train_files, tokenizer)
-  heldout_tokens = (train_setup.token_cache(workdir, "heldout", cfg, heldout_files, tokenizer)
-                    if heldout_files else np.zeros((0,), np.int32))
-  window = cfg.data.seq_len + cfg.heads.num + 1
-  batches = data_lib.BatchIterator(train_tokens, cfg.train.batch_size, window, cfg.data.seed)
-  eval_batches = data_lib.heldout_batches(heldout_tokens, cfg.train.batch_size, window,
-                                          cfg.train.eval_batches)
-
+  data = _Data.load(cfg, workdir)
   mesh = sharding_lib.make_mesh(cfg.mesh.shape)
   rules = sharding_lib.parse_rules(cfg.mesh.rules)
   if cfg.train.batch_size % mesh.shape["data"]:
@@ -211,23 +202,80 @@ def train(cfg: Config, workdir: str, log: Callable[[str], None] = logging.info,
   trainable, frozen = split_trainable(params, cfg.train.mode)
   opt_shardings = sharding_lib.tree_shardings(jax.eval_shape(tx.init, trainable), mesh, rules)
   opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(trainable)
-  trainer = Trainer(cfg, graphdef, tokenizer, tx, mesh,
+  trainer = Trainer(cfg, graphdef, data.tokenizer, tx, mesh,
                     (jax.tree.map(lambda x: x.sharding, trainable), opt_shardings))
   ckptr = ckpt_lib.TrainCheckpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
-  step = 0
-  latest = ckptr.latest_step()
-  if latest is not None:
+  step = ckptr.latest_step()
+  if step is not None:
     # Restored straight onto this run's mesh, whatever mesh wrote the checkpoint.
     abstract = lambda t: jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)
-    full, opt_state, data_state = ckptr.restore(latest, abstract({**frozen, **trainable}),
+    full, opt_state, data_state = ckptr.restore(step, abstract({**frozen, **trainable}),
                                                 abstract(opt_state))
     trainable, frozen = split_trainable(full, cfg.train.mode)
-    batches.restore(data_state)
-    step = latest
-    train_setup.truncate_metrics(metrics_path, latest)
-    log(f"resumed from step {latest} in {workdir}")
+    data.batches.restore(data_state)
+    train_setup.truncate_metrics(metrics_path, step)
+    log(f"resumed from step {step} in {workdir}")
+  _describe(cfg, mesh, rules, params, data, log)
+  out = _Progress(cfg, workdir, metrics_path, log, progress, data.window, step)
+  step = step or 0
+  run_steps, final_eval = 0, {}
+  pending = None                 # (step, metrics) of the last launched step, read one step late
+  while step < cfg.train.steps:
+    batch = trainer.prepare({**frozen, **trainable}, next(data.batches))
+    trainable, opt_state, metrics = trainer.train_step(trainable, frozen, opt_state, batch)
+    step += 1
+    run_steps += 1
+    if pending is not None:                  # the previous step's metrics: ready by now
+      out.read(*pending)
+    pending = (step, metrics)
+    at_end = step == cfg.train.steps
+    if step % cfg.train.checkpoint_every == 0 or at_end:
+      out.check(*pending)                    # never checkpoint a diverged state
+      ckptr.save(step, {**frozen, **trainable}, opt_state, data.batches.state())
+      out.last_good = step
+    if step % cfg.train.eval_every == 0 or at_end:
+      final_eval = trainer.evaluate({**frozen, **trainable}, data.eval_batches)
+      out.evaluation(step, final_eval)
+    if stop_after is not None and run_steps >= stop_after:
+      ckptr.close()
+      out.close()
+      return {}
+  if pending is not None and pending[0] % cfg.train.log_every == 0:
+    out.report(*pending)
+  ckptr.close()
+  out.close()
+  _export(cfg, workdir, {**frozen, **trainable}, data.tokenizer, trainer, log)
+  return final_eval
+
+
+@dataclasses.dataclass
+class _Data:
+  """A run's tokenizer, token streams and batches (window: tokens a training row holds)."""
+  tokenizer: Tokenizer
+  n_train: int
+  n_heldout: int
+  window: int
+  batches: data_lib.BatchIterator
+  eval_batches: list
+
+  @classmethod
+  def load(cls, cfg: Config, workdir: str) -> "_Data":
+    train_files, heldout_files = data_lib.split_files(cfg.data)
+    tokenizer = train_setup.load_or_train_tokenizer(cfg, workdir, train_files)
+    train_tokens = train_setup.token_cache(workdir, "train", cfg, train_files, tokenizer)
+    heldout_tokens = (train_setup.token_cache(workdir, "heldout", cfg, heldout_files, tokenizer)
+                      if heldout_files else np.zeros((0,), np.int32))
+    window = cfg.data.seq_len + cfg.heads.num + 1
+    return cls(tokenizer, len(train_tokens), len(heldout_tokens), window,
+               data_lib.BatchIterator(train_tokens, cfg.train.batch_size, window, cfg.data.seed),
+               data_lib.heldout_batches(heldout_tokens, cfg.train.batch_size, window,
+                                        cfg.train.eval_batches))
+
+
+def _describe(cfg: Config, mesh, rules, params, data: _Data, log):
+  """Logs the model's size, the mesh's layout and the data's."""
   n_params = model_lib.count_params(params)
   if mesh.size > 1:
     log(f"mesh {dict(mesh.shape)}: params {sharding_lib.bytes_per_device(params) / 2**20:.1f} MiB "
@@ -236,75 +284,67 @@ def train(cfg: Config, workdir: str, log: Callable[[str], None] = logging.info,
       log("  " + line)
   log(f"model: {n_params / 1e6:.2f}M parameters ({model_lib.count_params(params['heads']) / 1e6:.2f}M "
       f"in {cfg.heads.num} {cfg.heads.kind} heads); mode={cfg.train.mode}; "
-      f"{len(train_tokens):,} train / {len(heldout_tokens):,} held-out tokens")
+      f"{data.n_train:,} train / {data.n_heldout:,} held-out tokens")
 
-  metrics_file = open(metrics_path, "a")
-  def write_metrics(rec):
-    if jax.process_index() == 0:           # one writer when several hosts run the same loop
-      metrics_file.write(json.dumps(rec) + "\n")
-      metrics_file.flush()
 
-  tokens_per_step = cfg.train.batch_size * (window - 1)
-  pending = None                 # (step, metrics) of the last launched step, read one step late
-  t_last, step_last = time.perf_counter(), step
-  last_good = latest
-  final_eval = {}
-  run_steps = 0
+class _Progress:
+  """The run's metrics as they are read: checked for divergence, logged every log_every steps
+  and appended to metrics.jsonl (one writer when several hosts run the same loop)."""
 
-  def check(step_m, m):
+  def __init__(self, cfg: Config, workdir, metrics_path, log, progress, window, latest):
+    self.cfg, self.workdir, self.log, self.progress = cfg, workdir, log, progress
+    self.file = open(metrics_path, "a")
+    self.tokens_per_step = cfg.train.batch_size * (window - 1)
+    self.t_last, self.step_last = time.perf_counter(), latest or 0
+    self.last_good = latest            # the last checkpoint written (or restored)
+
+  def write(self, rec: dict):
+    if jax.process_index() == 0:
+      self.file.write(json.dumps(rec) + "\n")
+      self.file.flush()
+
+  def read(self, step: int, m: dict):
+    """A step's metrics, one step late: reported every log_every steps, else checked."""
+    if step % self.cfg.train.log_every == 0:
+      self.report(step, m)
+    else:
+      self.check(step, m)
+
+  def check(self, step: int, m: dict) -> float:
     loss = float(m["loss"])
     if not math.isfinite(loss):
-      raise TrainingDiverged(f"loss is {loss} at step {step_m}; stopped. The last good checkpoint "
-                             f"is step {last_good} in {workdir}/checkpoints")
-    if progress is not None:
-      progress(step_m, cfg.train.steps, loss)
+      raise TrainingDiverged(f"loss is {loss} at step {step}; stopped. The last good checkpoint "
+                             f"is step {self.last_good} in {self.workdir}/checkpoints")
+    if self.progress is not None:
+      self.progress(step, self.cfg.train.steps, loss)
     return loss
 
-  def report(step_m, m):
-    nonlocal t_last, step_last
-    loss = check(step_m, m)
+  def report(self, step: int, m: dict):
+    loss = self.check(step, m)
     now = time.perf_counter()
-    rate = (step_m - step_last) * tokens_per_step / max(now - t_last, 1e-9)
-    eta = (cfg.train.steps - step_m) * tokens_per_step / max(rate, 1e-9)
+    rate = (step - self.step_last) * self.tokens_per_step / max(now - self.t_last, 1e-9)
+    eta = (self.cfg.train.steps - step) * self.tokens_per_step / max(rate, 1e-9)
     heads = [float(x) for x in np.asarray(m["head_losses"])]
-    rec = {"kind": "train", "step": step_m, "loss": loss, "trunk_loss": float(m["trunk_loss"]),
+    rec = {"kind": "train", "step": step, "loss": loss, "trunk_loss": float(m["trunk_loss"]),
            **{f"head{i + 1}_loss": v for i, v in enumerate(heads)},
            "grad_norm": float(m["grad_norm"]), "tokens_per_s": rate}
-    write_metrics(rec)
-    log(f"step {step_m}/{cfg.train.steps} loss {loss:.4f} trunk {rec['trunk_loss']:.4f} heads "
-        + " ".join(f"{v:.3f}" for v in heads) + f" | {rate:,.0f} tok/s | ETA {eta / 60:.1f} min")
-    t_last, step_last = now, step_m
+    self.write(rec)
+    self.log(f"step {step}/{self.cfg.train.steps} loss {loss:.4f} trunk {rec['trunk_loss']:.4f} "
+             "heads " + " ".join(f"{v:.3f}" for v in heads)
+             + f" | {rate:,.0f} tok/s | ETA {eta / 60:.1f} min")
+    self.t_last, self.step_last = now, step
 
-  while step < cfg.train.steps:
-    batch = trainer.prepare({**frozen, **trainable}, next(batches))
-    trainable, opt_state, metrics = trainer.train_step(trainable, frozen, opt_state, batch)
-    step += 1
-    run_steps += 1
-    if pending is not None:                  # the previous step's metrics: ready by now
-      if pending[0] % cfg.train.log_every == 0:
-        report(*pending)
-      else:
-        check(*pending)
-    pending = (step, metrics)
-    at_end = step == cfg.train.steps
-    if step % cfg.train.checkpoint_every == 0 or at_end:
-      check(*pending)                        # never checkpoint a diverged state
-      ckptr.save(step, {**frozen, **trainable}, opt_state, batches.state())
-      last_good = step
-    if step % cfg.train.eval_every == 0 or at_end:
-      final_eval = trainer.evaluate({**frozen, **trainable}, eval_batches)
-      if final_eval:
-        write_metrics({"kind": "eval", "step": step, **final_eval})
-        log(f"eval step {step}: " + " ".join(f"{k} {v:.4f}" for k, v in final_eval.items()))
-    if stop_after is not None and run_steps >= stop_after:
-      ckptr.close()
-      metrics_file.close()
-      return {}
-  if pending is not None and pending[0] % cfg.train.log_every == 0:
-    report(*pending)
-  ckptr.close()
-  metrics_file.close()
-  params = {**frozen, **trainable}
+  def evaluation(self, step: int, res: dict):
+    if res:
+      self.write({"kind": "eval", "step": step, **res})
+      self.log(f"eval step {step}: " + " ".join(f"{k} {v:.4f}" for k, v in res.items()))
+
+  def close(self):
+    self.file.close()
+
+
+def _export(cfg: Config, workdir: str, params, tokenizer, trainer, log):
+  """The model directory at workdir/model, with the heads' token trees where measured."""
   hf_config = (ckpt_lib.read_meta(cfg.train.init_from).get("hf_config")
                if cfg.train.init_from else None)
   ckpt_lib.save_model_dir(os.path.join(workdir, "model"), cfg, params, tokenizer,
@@ -314,4 +354,3 @@ def train(cfg: Config, workdir: str, log: Callable[[str], None] = logging.info,
     shapes.save_trees(os.path.join(workdir, "model", shapes.TREES_FILE), rates,
                       {b: shapes.build_tree(rates, b) for b in shapes.DEFAULT_BUDGETS})
   log(f"model directory written to {os.path.join(workdir, 'model')}")
-  return final_eval

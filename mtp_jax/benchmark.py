@@ -172,33 +172,12 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
             for i, p in enumerate(ids)]
     longest = max(len(p) for p in ids)
     decoders, compile_s = {}, {}
-    for label, (mode, attention, kv_dtype) in variants.items():
-      drafter, k = parse_mode(mode)
-      tree = _tree(k, hcfg.num, model)
-      auto = (shape_set.auto_options(hcfg, _model_dir(model), {"drafter": drafter})
-              if k == "auto" else {})
-      span = max([hcfg.num if k == "auto" else k if tree is None else tree.size]
-                 + [len(t) for t in auto.get("adaptive_trees", ())])      # a step's inputs
-      # By default the cache holds what a row can reach; --max_len sets a serving-sized one.
-      cache_len = max_len or min(mcfg.max_seq_len, longest + max_new_tokens + span + 2)
-      dcfg = DecodeConfig(batch_size=b, k=-1 if k == "auto" or tree is not None else k,
-                          ring_size=32, adaptive=k == "auto", max_len=cache_len,
-                          drafter=drafter, attention=attention, kv_dtype=kv_dtype,
-                          tree=() if tree is None else tree.choices, **auto)
-      dec = api.Decoder(mcfg, hcfg, params, tok, dcfg,
-                        draft=draft if drafter == "model" else None, mesh=device_mesh)
-      if device_mesh is not None and b == batch_sizes[0]:
-        log(f"{mode}: mesh {dict(device_mesh.shape)}, per device: params "
-            f"{sharding_lib.bytes_per_device(dec.params) / 2**20:.1f} MiB, decode state "
-            f"{sharding_lib.bytes_per_device(dec.engine.init_state()) / 2**20:.1f} MiB")
-      t0 = time.perf_counter()
-      if k == "auto":
-        dec.calibrate(cost_table)
-      dec.warmup(longest)
-      compile_s[label] = time.perf_counter() - t0
+    for label, variant in variants.items():
+      decoders[label], compile_s[label] = _decoder(
+          model, mcfg, hcfg, params, tok, draft, device_mesh, variant, b, longest,
+          max_new_tokens, max_len, cost_table, log if b == batch_sizes[0] else None)
       for _ in range(warmup):
-        dec.run(reqs[:b])                                 # host-side helpers warmed too
-      decoders[label] = dec
+        decoders[label].run(reqs[:b])                     # host-side helpers warmed too
       done += 1
       tick(done, total, f"batch {b} {label}: compiled in {compile_s[label]:.0f}s")
     runs = {m: [] for m in variants}
@@ -206,27 +185,11 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
     t_first = time.perf_counter()
     for rep in range(repeats):
       for mode in (labels if rep % 2 == 0 else labels[::-1]):
-        dec = decoders[mode]
-        t0 = time.perf_counter()
-        outs = dec.run(reqs)
-        dt = time.perf_counter() - t0
-        n = sum(len(o.token_ids) for o in outs)
-        st, tm = dec.last_stats, dec.last_timing
-        ttft = np.array([o.ttft_s for o in outs]) * 1e3
-        tpot = np.array([(o.latency_s - o.ttft_s) / max(len(o.token_ids) - 1, 1)
-                         for o in outs]) * 1e3
-        state_bytes = memory.tree_bytes(jax.eval_shape(dec.engine.init_state))
-        stats = jax.devices()[0].memory_stats() or {}
-        runs[mode].append(Result(
-            mode, b, n / dt, st["acceptance_length"], st["acceptance_rate_per_position"], n, dt,
-            st["steps"], float(np.percentile(ttft, 50)), float(np.percentile(ttft, 99)),
-            float(np.percentile(tpot, 50)), float(np.percentile(tpot, 99)),
-            (tm["wall_s"] - tm["wait_s"]) / max(st["steps"], 1) * 1e6, compile_s[mode],
-            memory.tree_bytes(dec.params) + state_bytes, stats.get("peak_bytes_in_use"),
-            at_s=t0 + dt / 2 - t_first))
+        r = _timed(decoders[mode], reqs, mode, b, compile_s[mode], t_first)
+        runs[mode].append(r)
         done += 1
-        tick(done, total, f"batch {b} {mode}: {n / dt:,.0f} tokens/s, acceptance "
-             f"{st['acceptance_length']:.2f}")
+        tick(done, total, f"batch {b} {mode}: {r.tokens_per_s:,.0f} tokens/s, acceptance "
+             f"{r.acceptance_length:.2f}")
     base = next((runs[m] for m, v in variants.items() if v[0] == "vanilla"), None)
     for mode in labels:
       r = summarize(runs[mode], base)
@@ -235,6 +198,58 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
       results.append(r)
       log(format_row(r))
   return results
+
+
+def _decoder(model, mcfg, hcfg, params, tok, draft, device_mesh, variant, b, longest,
+             max_new_tokens, max_len, cost_table, log):
+  """One (mode, attention, kv_dtype) variant's decoder at b slots, calibrated where adaptive
+  and warmed up. log: where to describe its mesh layout (None: not again). -> (decoder,
+  seconds to compile)."""
+  mode, attention, kv_dtype = variant
+  drafter, k = parse_mode(mode)
+  tree = _tree(k, hcfg.num, model)
+  auto = (shape_set.auto_options(hcfg, _model_dir(model), {"drafter": drafter})
+          if k == "auto" else {})
+  span = max([hcfg.num if k == "auto" else k if tree is None else tree.size]
+             + [len(t) for t in auto.get("adaptive_trees", ())])      # a step's inputs
+  # By default the cache holds what a row can reach; --max_len sets a serving-sized one.
+  cache_len = max_len or min(mcfg.max_seq_len, longest + max_new_tokens + span + 2)
+  dcfg = DecodeConfig(batch_size=b, k=-1 if k == "auto" or tree is not None else k,
+                      ring_size=32, adaptive=k == "auto", max_len=cache_len,
+                      drafter=drafter, attention=attention, kv_dtype=kv_dtype,
+                      tree=() if tree is None else tree.choices, **auto)
+  dec = api.Decoder(mcfg, hcfg, params, tok, dcfg,
+                    draft=draft if drafter == "model" else None, mesh=device_mesh)
+  if device_mesh is not None and log is not None:
+    log(f"{mode}: mesh {dict(device_mesh.shape)}, per device: params "
+        f"{sharding_lib.bytes_per_device(dec.params) / 2**20:.1f} MiB, decode state "
+        f"{sharding_lib.bytes_per_device(dec.engine.init_state()) / 2**20:.1f} MiB")
+  t0 = time.perf_counter()
+  if k == "auto":
+    dec.calibrate(cost_table)
+  dec.warmup(longest)
+  return dec, time.perf_counter() - t0
+
+
+def _timed(dec, reqs, mode: str, b: int, compile_s: float, t_first: float) -> Result:
+  """One timed run of every request: throughput, latencies, counts, host time and memory."""
+  t0 = time.perf_counter()
+  outs = dec.run(reqs)
+  dt = time.perf_counter() - t0
+  n = sum(len(o.token_ids) for o in outs)
+  st, tm = dec.last_stats, dec.last_timing
+  ttft = np.array([o.ttft_s for o in outs]) * 1e3
+  tpot = np.array([(o.latency_s - o.ttft_s) / max(len(o.token_ids) - 1, 1)
+                   for o in outs]) * 1e3
+  state_bytes = memory.tree_bytes(jax.eval_shape(dec.engine.init_state))
+  stats = jax.devices()[0].memory_stats() or {}
+  return Result(
+      mode, b, n / dt, st["acceptance_length"], st["acceptance_rate_per_position"], n, dt,
+      st["steps"], float(np.percentile(ttft, 50)), float(np.percentile(ttft, 99)),
+      float(np.percentile(tpot, 50)), float(np.percentile(tpot, 99)),
+      (tm["wall_s"] - tm["wait_s"]) / max(st["steps"], 1) * 1e6, compile_s,
+      memory.tree_bytes(dec.params) + state_bytes, stats.get("peak_bytes_in_use"),
+      at_s=t0 + dt / 2 - t_first)
 
 
 def _variants(modes, attention, kv_dtype) -> dict[str, tuple[str, str, str]]:

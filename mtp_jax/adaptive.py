@@ -163,16 +163,25 @@ def blend(rate_K, trials_K, conf_BK, prior_K, m_K):
 
 def worth_probing(state, allowed_S, window: int, margin: float, ss: ShapeSet | None = None):
   """-> [] bool: whether a probe could lead to drafting: some allowed k > 0 beats plain decoding
-  by the margin at each rate one standard error above its estimate (the window's pooled counts
-  blended with the prior; an unknown prior is 1 at the first position, the position before's
-  estimate past it). Probing where even this optimistic rate cannot pay costs the heads' work
-  and changes nothing (at 16 slots on XLA:CPU a step of one draft costs ~1.8 plain steps: a
-  draft must be accepted over 80% of the time to pay)."""
+  by the margin at each rate one standard error above its estimate (optimistic_pays, on the
+  window's pooled counts). Probing where even this optimistic rate cannot pay costs the heads'
+  work and changes nothing (at 16 slots on XLA:CPU a step of one draft costs ~1.8 plain steps:
+  a draft must be accepted over 80% of the time to pay)."""
   c = state.controller
   kd = c.prior_rate.shape[0]
-  ss = ShapeSet(kd) if ss is None else ss
   rate_K, trials_K = window_rates(state.record.ring, state.record.step, window, kd)
-  m_K = prior_weight(c, ~state.rows.done)
+  return optimistic_pays(c, rate_K, trials_K, prior_weight(c, ~state.rows.done), allowed_S,
+                         margin, ss)
+
+
+def optimistic_pays(c: Controller, rate_K, trials_K, m_K, allowed_S, margin: float,
+                    ss: ShapeSet | None = None):
+  """-> [] bool: some allowed k > 0 beats plain decoding by the margin at each rate one
+  standard error above its estimate: the window's rate over trials_K blended with the prior
+  counting for m_K pseudo-trials (an unknown prior is 1 at the first position, the position
+  before's estimate past it)."""
+  kd = c.prior_rate.shape[0]
+  ss = ShapeSet(kd) if ss is None else ss
   n_K = trials_K + m_K
   cols, prev = [], jnp.asarray(1.0)
   for i in range(kd):

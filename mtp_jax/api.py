@@ -71,6 +71,17 @@ class Decoder:
                                    sharding_lib.tree_shardings(self.params, mesh, parsed))
     self.engine = engine_lib.Engine(model_cfg, heads_cfg, decode_cfg, tokenizer.eod_id,
                                     None if draft is None else draft[:2], mesh=mesh)
+    # Adaptive k hands a run its controller can never take off plain decoding to a plain
+    # engine of the same slots (Engine.stays_plain): plain decoding's own program, not the
+    # adaptive loop's plain steps, its controller and its heads at prefill.
+    self.plain = (engine_lib.Engine(model_cfg, heads_cfg,
+                                    dataclasses.replace(decode_cfg, adaptive=False, k=0,
+                                                        adaptive_trees=(), tree_rates=()),
+                                    tokenizer.eod_id, None if draft is None else draft[:2],
+                                    mesh=mesh)
+                  if decode_cfg.adaptive else None)
+    if self.plain is not None:      # one copy of a tied unembedding for both
+      self.plain.unembed = self.engine.unembed
     self.seed = seed
     self.last_stats: dict = {}
     # Acceptance per draft position that earlier runs measured: adaptive k's prior.
@@ -131,6 +142,9 @@ class Decoder:
     makes of the ring and the rows' key folding, so that the first run compiles nothing.
     -> the number of buckets."""
     n = self.engine.warmup(self.params, max_prompt_len)
+    if self.plain is not None:
+      self.plain.warmup(self.params, max_prompt_len)
+      ring_lib.Drain().drain(*_drained(self.plain, self.plain.init_state()))
     ring_lib.Drain().drain(*_drained(self.engine, self.engine.init_state()))
     jax.block_until_ready(jax.random.fold_in(jax.random.key(self.seed), 0))   # rows' keys (run)
     return n
@@ -156,10 +170,12 @@ class Decoder:
     sampled_run = any(engine_lib.needs_sampling(r.temperature, r.repetition_penalty)
                       for r in requests)
     slots = _Slots(self, requests, on_done)
-    state = eng.init_state(self.seed, *(self.priors.start(sampled_run) if eng.cfg.adaptive
-                                        else (None, None)))
-    state = self._decode(state, slots)
-    self.last_stats = state_lib.stats(state)
+    prior = self.priors.start(sampled_run) if eng.cfg.adaptive else (None, None)
+    if eng.stays_plain(*prior):
+      eng, prior = self.plain, (None, None)
+      slots.eng = eng
+    state = self._decode(eng.init_state(self.seed, *prior), slots)
+    self.last_stats = state_lib.stats(state, self.engine.kd)
     # The rows' counters restart where a request takes a slot: the run's come from every request.
     outs = [c for c in slots.results if c is not None]
     row_steps = sum(c.steps for c in outs)
@@ -177,7 +193,7 @@ class Decoder:
     While requests wait, a finished row is refilled right after its chunk, so the host reads
     each chunk before launching the next. Once the queue is empty nothing needs refilling: the
     next chunk is launched first and the previous one drained while the device runs it."""
-    eng = self.engine
+    eng = slots.eng
     drain = ring_lib.Drain()
     clock = refill_lib.RefillClock(eng.cfg.batch_size)
     state = slots.fill(state)
@@ -233,6 +249,7 @@ class _Slots:
   def __init__(self, dec: Decoder, requests: Sequence[Request], on_done):
     b = dec.engine.cfg.batch_size
     self.dec, self.requests, self.on_done = dec, requests, on_done
+    self.eng = dec.engine              # the engine that runs them (Decoder.run)
     self.t_start = time.perf_counter()
     self.wait = 0.0                    # seconds blocked on the device (for host overhead)
     self.ttft = [0.0] * len(requests)
@@ -263,14 +280,14 @@ class _Slots:
   def apply_cancel(self, state):
     """Stops on the device the rows the host finished (stop strings)."""
     if self.cancel.any():
-      state = self.dec.engine.cancel(state, self.cancel)
+      state = self.eng.cancel(state, self.cancel)
       self.cancel[:] = False
     return state
 
   def fill(self, state):
     """Prefills waiting requests into free slots, up to prefill_rows per call (a call of
     several rows is padded to prefill_rows with rows that insert drops)."""
-    eng, b = self.dec.engine, self.dec.engine.cfg.batch_size
+    eng, b = self.eng, self.eng.cfg.batch_size
     g = eng.cfg.prefill_rows
     while self.free and self.queue:
       take = min(len(self.free), len(self.queue), g)

@@ -14,6 +14,8 @@ max_new_tokens, or when the cache is full.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,6 +101,8 @@ class Engine:
     self._insert = jax.jit(self._insert_impl, donate_argnames=("state",), out_shardings=out)
     self._generate = jax.jit(self._generate_impl, static_argnames=("sample", "ks"),
                              donate_argnames=("state",), out_shardings=out)
+    self._stays_plain = jax.jit(functools.partial(loop_lib.stays_plain, self),
+                                static_argnums=3)
     self._cancel = jax.jit(
         lambda state, mask: state.replace(rows=state.rows.replace(done=state.rows.done | mask)),
         donate_argnums=0, out_shardings=out)
@@ -132,10 +136,13 @@ class Engine:
     """prior [Kd]: adaptive k's acceptance per draft position from earlier runs (-1 unknown);
     prior_trials [Kd]: the pseudo-trials it counts for (priors.py; default one window, as
     where the rate is unknown: adaptive.init_controller)."""
-    prior = np.asarray([-1.0] * self.kd if prior is None else prior, np.float32)
-    m = np.asarray([self.cfg.accept_window] * self.kd if prior_trials is None else prior_trials,
-                   np.float32)
-    return self._init(jax.random.key(seed), self.cost_array(self.cost), prior, m)
+    return self._init(jax.random.key(seed), self.cost_array(self.cost),
+                      *self._prior(prior, prior_trials))
+
+  def _prior(self, prior, prior_trials):
+    return (np.asarray([-1.0] * self.kd if prior is None else prior, np.float32),
+            np.asarray([self.cfg.accept_window] * self.kd if prior_trials is None
+                       else prior_trials, np.float32))
 
   def _init_state_unplaced(self, key=None, cost=None, prior=None, prior_trials=None):
     """-> the DecodeState of an engine with no rows (key: the base PRNG key, default key(0);
@@ -193,6 +200,14 @@ class Engine:
       self._ks = key, self.shape_set.viable(self.cost, chains, margin)
     return self._ks[1]
 
+  def stays_plain(self, prior=None, prior_trials=None) -> bool:
+    """Adaptive k: whether a run from this prior (init_state's) can never leave plain decoding
+    (loop.stays_plain)."""
+    if not self.cfg.adaptive:
+      return False
+    prior, m = self._prior(prior, prior_trials)
+    return bool(self._stays_plain(self.cost_array(self.cost), prior, m, self.ks))
+
   def buckets(self, max_prompt_len: int | None = None) -> list[int]:
     top = self.bucket(max_prompt_len or self.cfg.max_len - self.span - 1)
     out, b = [], self.cfg.min_bucket
@@ -206,6 +221,7 @@ class Engine:
     both generate variants on a scratch state, so that serving compiles nothing.
     -> the number of buckets."""
     state = self.init_state()
+    self.stays_plain()
     buckets = self.buckets(max_prompt_len)
     for n in sorted({1, self.cfg.prefill_rows}):
       for p in buckets:

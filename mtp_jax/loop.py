@@ -29,7 +29,8 @@ KV cache, every step); a while_loop updates its carry in place. The controller i
 where its answer can change what runs: choose_k where some row holds a fresh draft (without one
 plain decoding is the cheapest shape), worth_probing where a probe is due. XLA:CPU's cost per
 call grows with the program's size, loops not run included (an empty call of the demo's
-adaptive program: ~120 us a step variant), so each step variant is compiled once.
+adaptive program: ~120 us a step variant), so each step variant is compiled once. A run that
+could never leave plain decoding (stays_plain) runs on a plain engine instead (api.Decoder.run).
 """
 
 from __future__ import annotations
@@ -93,6 +94,21 @@ def worth_probing(eng, state: DecodeState, ks: tuple[int, ...]):
   allowed_S = jnp.isin(jnp.arange(eng.n_shapes), jnp.asarray(ks))
   return adaptive.worth_probing(state, allowed_S, eng.cfg.accept_window, eng.cfg.adapt_margin,
                                 eng.shape_set)
+
+
+def stays_plain(eng, cost, prior, prior_trials, ks: tuple[int, ...]):
+  """-> [] bool: whether a run whose controller starts from this prior can never leave plain
+  decoding: no probe would be worth making even with one row active (the prior's widest error,
+  adaptive.prior_weight) and the window empty, as it stays in a run that neither drafts nor
+  probes. The controller's choices count on rates no higher than those a probe's test tries,
+  so such a run decodes plainly throughout, and a plain engine can run it (api.Decoder.run)."""
+  c = adaptive.init_controller(eng.kd, cost, eng.cfg.probe_every, eng.cfg.accept_window, prior,
+                               prior_trials)
+  allowed_S = jnp.isin(jnp.arange(eng.n_shapes), jnp.asarray(ks))
+  zero_K = jnp.zeros((eng.kd,), jnp.float32)
+  m_K = adaptive.prior_weight(c, jnp.ones((1,), bool))
+  return ~adaptive.optimistic_pays(c, zero_K, zero_K, m_K, allowed_S, eng.cfg.adapt_margin,
+                                   eng.shape_set)
 
 
 class Loop:

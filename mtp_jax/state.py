@@ -103,11 +103,14 @@ class Prefix:
   key: jax.Array           # [n] the rows' PRNG keys for their decode steps
 
 
-def stats(state: DecodeState) -> dict:
+def stats(state: DecodeState, kd: int = 0) -> dict:
   """Acceptance statistics of the counters (host values). row_steps and acceptance_length are
-  the rows' now in the slots (api.Decoder.run replaces them with the whole run's)."""
+  the rows' now in the slots (api.Decoder.run replaces them with the whole run's). kd: per
+  draft position at least this many (zeros past the state's own: a plain engine's run reported
+  as adaptive k's)."""
   rec, rows = state.record, state.rows
-  drafted, accepted = np.asarray(rec.drafted), np.asarray(rec.accepted)
+  pad = lambda x: np.pad(np.asarray(x), (0, max(kd - np.asarray(x).shape[0], 0)))
+  drafted, accepted = pad(rec.drafted), pad(rec.accepted)
   steps, emitted = np.asarray(rows.steps), np.asarray(rows.emitted)
   return {
       "steps": int(np.asarray(rec.step)), "row_steps": int(steps.sum()),
@@ -115,8 +118,7 @@ def stats(state: DecodeState) -> dict:
       "acceptance_rate_per_position": [float(a / d) if d else 0.0
                                        for a, d in zip(accepted, drafted)],
       "drafted": drafted.tolist(), "accepted": accepted.tolist(),
-      "cond_trials": np.asarray(rec.cond_trials).tolist(),
-      "cond_hits": np.asarray(rec.cond_hits).tolist(),
+      "cond_trials": pad(rec.cond_trials).tolist(), "cond_hits": pad(rec.cond_hits).tolist(),
   }
 
 

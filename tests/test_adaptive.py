@@ -421,6 +421,40 @@ def test_only_the_variants_that_can_pay_are_compiled(trained_tiny):
   assert loops(dec.engine) == loops(plain.engine) < full
 
 
+def test_a_run_that_can_never_leave_plain_decoding_runs_on_the_plain_engine(trained_tiny):
+  """Where even the prior's most optimistic rates (one standard error above, with one row
+  active: the widest error a run can reach) make no draft pay, no step of the run could draft or
+  probe: it runs on the decoder's plain engine, with plain decoding's tokens. A cold start (an
+  unknown prior counts on 1.0 at the first position) or a prior that could pay keeps the
+  adaptive loop."""
+  _, workdir, _ = trained_tiny
+  mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
+  prompts = [tok.encode(t) for t in ("def f(x):\n", "import os\n\nclass A:\n", "    return x")]
+  reqs = [api.Request(p, n) for p, n in zip(prompts, [30, 12, 40])]
+  want = [c.token_ids for c in
+          api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, k=0)).run(reqs)]
+  dec = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, adaptive=True, ring_size=8))
+  kd = dec.engine.kd
+  dec.engine.cost = [1.0] + [1.5 + 0.5 * i for i in range(kd)]
+  low, high, m = [0.2] * kd, [0.95] * kd, [50.0] * kd
+  assert not dec.engine.stays_plain()
+  assert dec.engine.stays_plain(low, m) and not dec.engine.stays_plain(high, m)
+  calls = {"adaptive": 0, "plain": 0}
+  for name, eng in (("adaptive", dec.engine), ("plain", dec.plain)):
+    def counted(*a, _g=eng.generate, _n=name, **kw):
+      calls[_n] += 1
+      return _g(*a, **kw)
+    eng.generate = counted
+  for prior, used in ((low, "plain"), (high, "adaptive")):
+    dec.priors.start = lambda sampled, prior=prior: (prior, m)
+    calls.update(adaptive=0, plain=0)
+    assert [c.token_ids for c in dec.run(reqs)] == want
+    assert calls[used] > 0 and sum(calls.values()) == calls[used], (prior, calls)
+  dec.priors.start = lambda sampled: (low, m)
+  dec.run(reqs)
+  assert dec.last_stats["drafted"] == [0] * kd
+
+
 def test_rates_of_a_run_become_the_next_runs_prior():
   # 100 first drafts verified, 80 accepted; 80 second drafts reached, 60 accepted (conditional
   # 0.75); 60 third drafts reached, 30 accepted (0.5); a position with too few trials is unknown.

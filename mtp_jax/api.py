@@ -169,11 +169,11 @@ class Decoder:
     eng = self.engine
     sampled_run = any(engine_lib.needs_sampling(r.temperature, r.repetition_penalty)
                       for r in requests)
-    slots = _Slots(self, requests, on_done)
+    t_start = time.perf_counter()       # the run's clock counts the choice of engine too
     prior = self.priors.start(sampled_run) if eng.cfg.adaptive else (None, None)
     if eng.stays_plain(*prior):
       eng, prior = self.plain, (None, None)
-      slots.eng = eng
+    slots = _Slots(self, eng, requests, on_done, t_start)
     state = self._decode(eng.init_state(self.seed, *prior), slots)
     self.last_stats = state_lib.stats(state, self.engine.kd)
     # The rows' counters restart where a request takes a slot: the run's come from every request.
@@ -246,11 +246,12 @@ class _Slots:
   """The host's side of a run: which request each slot serves, the queue of waiting requests,
   the rows' token streams, and the finished completions."""
 
-  def __init__(self, dec: Decoder, requests: Sequence[Request], on_done):
-    b = dec.engine.cfg.batch_size
-    self.dec, self.requests, self.on_done = dec, requests, on_done
-    self.eng = dec.engine              # the engine that runs them (Decoder.run)
-    self.t_start = time.perf_counter()
+  def __init__(self, dec: Decoder, eng, requests: Sequence[Request], on_done, t_start: float):
+    """eng: the engine that runs them (the decoder's, or its plain one: Decoder.run); t_start:
+    the run's start (perf_counter)."""
+    b = eng.cfg.batch_size
+    self.dec, self.eng, self.requests, self.on_done = dec, eng, requests, on_done
+    self.t_start = t_start
     self.wait = 0.0                    # seconds blocked on the device (for host overhead)
     self.ttft = [0.0] * len(requests)
     self.base_key = jax.random.key(dec.seed)

@@ -192,12 +192,16 @@ class Decoder:
 
     While requests wait, a finished row is refilled right after its chunk, so the host reads
     each chunk before launching the next. Once the queue is empty nothing needs refilling: the
-    next chunk is launched first and the previous one drained while the device runs it."""
+    next chunk is launched first and the previous one drained while the device runs it, unless
+    the chunk in flight ends every row (_Slots.finish_within): then nothing more is launched."""
     eng = slots.eng
     drain = ring_lib.Drain()
     clock = refill_lib.RefillClock(eng.cfg.batch_size)
     state = slots.fill(state)
     while slots.busy():
+      if drain.pending and not slots.queue and slots.finish_within(eng.cfg.ring_size):
+        slots.collect(slots.timed(drain.finish))   # the chunk in flight ends every row
+        continue
       state = slots.apply_cancel(state)
       # While requests wait, the chunk ends once every waiting request has a free slot, or once
       # the freed slots' idleness outweighs a refill's cost (refill.py).
@@ -267,6 +271,13 @@ class _Slots:
 
   def busy(self) -> bool:
     return any(r >= 0 for r in self.slot_req)
+
+  def finish_within(self, steps: int) -> bool:
+    """Whether every row in use is done after `steps` more steps, by its token budget alone:
+    a step emits at least one token per active row, and a row stops once it has max_new_tokens
+    (its stream holds those drained so far, the prefill's first token included)."""
+    return all(self.requests[r].max_new_tokens - len(self.streams[s]) <= steps
+               for s, r in enumerate(self.slot_req) if r >= 0)
 
   def sampling(self) -> bool:
     """Whether a row in use samples (the sampling variant of generate)."""

@@ -283,3 +283,25 @@ def test_refill_ends_the_call_once_enough_rows_finish(tiny_model):
   if not any(hit_eod[:2]):       # row 0 frees its slot after step 3, row 1 after step 6
     assert done_at == {(1, np.inf): 3, (2, np.inf): 6, (2, 0): 3, (2, 2): 5}, done_at
   assert done_at[1, np.inf] <= done_at[2, np.inf] < 16
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_a_closed_run_launches_no_chunk_past_its_rows_end(tiny_model, k):
+  """Once no request waits, the next chunk is launched before the last one is drained, except
+  where the chunk in flight ends every row by their token budgets: a run of max_new tokens
+  takes at most ceil((max_new - 1) / ring_size) chunks (fewer where drafts are accepted or a
+  row meets the end token), and its tokens are those of an unlimited number of chunks."""
+  (mcfg, hcfg, params, tok), cfg = tiny_model
+  prompts = _prompts(cfg, tok, 2, seed=5)
+  for max_new in (9, 20, 25):
+    calls = []
+    dec = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, k=k, ring_size=8))
+    generate = dec.engine.generate
+    dec.engine.generate = lambda *a, **kw: calls.append(1) or generate(*a, **kw)
+    got = dec.run([api.Request(p, max_new) for p in prompts])
+    assert len(calls) <= -(-(max_new - 1) // 8), (max_new, len(calls))
+    for p, c in zip(prompts, got):
+      ref = np.asarray(G.greedy_generate(dec.engine.graphdef, params, jnp.asarray([p], jnp.int32),
+                                         jnp.asarray([len(p)], jnp.int32), max_new))
+      ref = ref[0, len(p):].tolist()
+      assert c.token_ids == (ref[: ref.index(tok.eod_id)] if tok.eod_id in ref else ref)

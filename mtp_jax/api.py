@@ -69,16 +69,16 @@ class Decoder:
       parsed = sharding_lib.parse_rules(rules)
       self.params = jax.device_put(self.params,
                                    sharding_lib.tree_shardings(self.params, mesh, parsed))
+    draft_cfgs = None if draft is None else draft[:2]
     self.engine = engine_lib.Engine(model_cfg, heads_cfg, decode_cfg, tokenizer.eod_id,
-                                    None if draft is None else draft[:2], mesh=mesh)
+                                    draft_cfgs, mesh=mesh)
     # Adaptive k hands a run its controller can never take off plain decoding to a plain
     # engine of the same slots (Engine.stays_plain): plain decoding's own program, not the
     # adaptive loop's plain steps, its controller and its heads at prefill.
     self.plain = (engine_lib.Engine(model_cfg, heads_cfg,
                                     dataclasses.replace(decode_cfg, adaptive=False, k=0,
                                                         adaptive_trees=(), tree_rates=()),
-                                    tokenizer.eod_id, None if draft is None else draft[:2],
-                                    mesh=mesh)
+                                    tokenizer.eod_id, draft_cfgs, mesh=mesh)
                   if decode_cfg.adaptive else None)
     if self.plain is not None:      # one copy of a tied unembedding for both
       self.plain.unembed = self.engine.unembed
@@ -94,10 +94,11 @@ class Decoder:
            ring_size: int = 32, seed: int = 0, draft_dir: str | None = None,
            mesh: str | None = None, **decode_options) -> "Decoder":
     """k: drafts per step (-1 all heads, 0 plain decoding), 'auto' (adaptive: chains up to all
-    heads and, with parallel heads, the model's trees: shape_set.auto_options) or 'tree:T': every step verifies a token tree of T nodes from the parallel heads'
-    top candidates (model_dir/trees.json's tree for T, else one built from the rates stored
-    there, else the default: shapes.tree_for). draft_dir: a draft model directory (drafts come
-    from it instead of the heads).
+    heads and, with parallel heads, the model's trees: shape_set.auto_options) or 'tree:T':
+    every step verifies a token tree of T nodes from the parallel heads' top candidates
+    (model_dir/trees.json's tree for T, else one built from the rates stored there, else the
+    default: shapes.tree_for). draft_dir: a draft model directory (drafts come from it instead
+    of the heads).
     mesh: a mesh shape ('data:2,model:4'; '' = every device on 'data'), None = one device.
     decode_options: other DecodeConfig fields (confidence_threshold, drafter, ...)."""
     mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(model_dir)

@@ -22,7 +22,7 @@ $(TEST): $(BASE)
 
 install: $(BASE)
 
-# `make test` leaves out the tests marked slow (about 14 minutes on 2 cores); CI runs both.
+# `make test` leaves out the tests marked slow (about 13 minutes on 2 cores); CI runs both.
 test: $(TEST)
 	$(BIN)/python -m pytest -q -n 2 -m 'not slow' tests
 

@@ -98,7 +98,8 @@ class Engine:
           jax.eval_shape(self._init_state_unplaced), mesh, self.cfg.batch_size)
     out = self.state_sharding
     self._prefill = jax.jit(self._prefill_impl, static_argnames=("sample",))
-    self._insert = jax.jit(self._insert_impl, donate_argnames=("state",), out_shardings=out)
+    self._insert = jax.jit(functools.partial(state_lib.insert, self), donate_argnames=("state",),
+                           out_shardings=out)
     self._generate = jax.jit(self._generate_impl, static_argnames=("sample", "ks"),
                              donate_argnames=("state",), out_shardings=out)
     self._stays_plain = jax.jit(functools.partial(loop_lib.stays_plain, self),
@@ -306,46 +307,6 @@ class Engine:
     return self._prefill(params, self.unembed(params), arr, np.asarray(lengths, np.int32), key,
                          temperature, np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
                          penalty, sample=needs_sampling(temperature, penalty))
-
-  def _insert_impl(self, prefix: Prefix, state: DecodeState, slots, max_new, temperature, top_k,
-                   top_p, penalty):
-    n, p = prefix.tokens.shape
-    s = self.cfg.max_len
-    rows = slots[:, None]
-
-    def put(cache, rows_cache):    # the prefix's positions 0..P'-1 into the slots' rows
-      cols = jnp.arange(rows_cache.max_len)[None, :]
-      return jax.tree.map(lambda c, pc: c.at[rows, cols].set(pc.astype(c.dtype)), cache,
-                          rows_cache)
-
-    c = state.caches
-    caches = Caches(trunk=put(c.trunk, prefix.cache),
-                    draft=None if c.draft is None else put(c.draft, prefix.draft_cache),
-                    seq_h=None if c.seq_h is None else c.seq_h.at[slots].set(prefix.seq_h))
-    row_tokens = jnp.zeros((n, s), jnp.int32).at[:, :p].set(prefix.tokens)
-    row_tokens = jnp.where(jnp.arange(s)[None] < prefix.length[:, None], row_tokens, 0)
-    row_tokens = row_tokens.at[jnp.arange(n), prefix.length].set(prefix.first)
-    length = prefix.length + 1
-    stop_len = jnp.minimum(prefix.length + max_new, s - self.span - 1)
-    done = (length >= stop_len) | (prefix.first == self.eod_id)
-    z = jnp.zeros((n,), jnp.int32)
-    r = state.rows
-    rows_ = Rows(tokens=r.tokens.at[slots].set(row_tokens), length=r.length.at[slots].set(length),
-                 prompt_len=r.prompt_len.at[slots].set(prefix.length),
-                 stop_len=r.stop_len.at[slots].set(stop_len), done=r.done.at[slots].set(done),
-                 steps=r.steps.at[slots].set(z), emitted=r.emitted.at[slots].set(z),
-                 cond_trials=r.cond_trials.at[slots].set(0), cond_hits=r.cond_hits.at[slots].set(0))
-    d = state.drafts
-    drafts = Drafts(tokens=d.tokens.at[slots].set(prefix.drafts),
-                    logq=d.logq.at[slots].set(prefix.draft_logq),
-                    conf=d.conf.at[slots].set(prefix.draft_conf),
-                    n_fresh=d.n_fresh.at[slots].set(self.kd))
-    sp = state.sampling
-    sp = sampling.SamplingParams(
-        key=sp.key.at[slots].set(prefix.key), temperature=sp.temperature.at[slots].set(temperature),
-        top_k=sp.top_k.at[slots].set(top_k), top_p=sp.top_p.at[slots].set(top_p),
-        penalty=sp.penalty.at[slots].set(penalty))
-    return state.replace(rows=rows_, drafts=drafts, caches=caches, sampling=sp)
 
   def insert(self, prefix: Prefix, state: DecodeState, slots, max_new, temperature, top_k,
              top_p, penalty=1.0) -> DecodeState:

@@ -149,3 +149,46 @@ def initial(eng, key, cost, prior, prior_trials=None) -> DecodeState:
   return DecodeState(rows=rows, drafts=drafts, caches=caches,
                      sampling=sampling.init_params(jax.random.split(key, b), b), record=record,
                      controller=controller)
+
+
+def insert(eng, prefix: Prefix, state: DecodeState, slots, max_new, temperature, top_k, top_p,
+           penalty) -> DecodeState:
+  """state with the prefilled rows of `prefix` put into `slots` (engine.Engine.insert, jitted;
+  eng: the engine)."""
+  n, p = prefix.tokens.shape
+  s = eng.cfg.max_len
+  rows = slots[:, None]
+
+  def put(cache, rows_cache):    # the prefix's positions 0..P'-1 into the slots' rows
+    cols = jnp.arange(rows_cache.max_len)[None, :]
+    return jax.tree.map(lambda c, pc: c.at[rows, cols].set(pc.astype(c.dtype)), cache,
+                        rows_cache)
+
+  c = state.caches
+  caches = Caches(trunk=put(c.trunk, prefix.cache),
+                  draft=None if c.draft is None else put(c.draft, prefix.draft_cache),
+                  seq_h=None if c.seq_h is None else c.seq_h.at[slots].set(prefix.seq_h))
+  row_tokens = jnp.zeros((n, s), jnp.int32).at[:, :p].set(prefix.tokens)
+  row_tokens = jnp.where(jnp.arange(s)[None] < prefix.length[:, None], row_tokens, 0)
+  row_tokens = row_tokens.at[jnp.arange(n), prefix.length].set(prefix.first)
+  length = prefix.length + 1
+  stop_len = jnp.minimum(prefix.length + max_new, s - eng.span - 1)
+  done = (length >= stop_len) | (prefix.first == eng.eod_id)
+  z = jnp.zeros((n,), jnp.int32)
+  r = state.rows
+  rows_ = Rows(tokens=r.tokens.at[slots].set(row_tokens), length=r.length.at[slots].set(length),
+               prompt_len=r.prompt_len.at[slots].set(prefix.length),
+               stop_len=r.stop_len.at[slots].set(stop_len), done=r.done.at[slots].set(done),
+               steps=r.steps.at[slots].set(z), emitted=r.emitted.at[slots].set(z),
+               cond_trials=r.cond_trials.at[slots].set(0), cond_hits=r.cond_hits.at[slots].set(0))
+  d = state.drafts
+  drafts = Drafts(tokens=d.tokens.at[slots].set(prefix.drafts),
+                  logq=d.logq.at[slots].set(prefix.draft_logq),
+                  conf=d.conf.at[slots].set(prefix.draft_conf),
+                  n_fresh=d.n_fresh.at[slots].set(eng.kd))
+  sp = state.sampling
+  sp = sampling.SamplingParams(
+      key=sp.key.at[slots].set(prefix.key), temperature=sp.temperature.at[slots].set(temperature),
+      top_k=sp.top_k.at[slots].set(top_k), top_p=sp.top_p.at[slots].set(top_p),
+      penalty=sp.penalty.at[slots].set(penalty))
+  return state.replace(rows=rows_, drafts=drafts, caches=caches, sampling=sp)

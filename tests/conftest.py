@@ -5,6 +5,7 @@ import os
 import shutil
 import tempfile
 
+import jax
 import pytest
 
 from configs import tiny
@@ -18,6 +19,17 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
 _CACHE_HOME = tempfile.mkdtemp(prefix="mtp_jax_tests_")
 os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
 atexit.register(shutil.rmtree, _CACHE_HOME, True)
+
+# Compiled programs, though, are shared by the processes of one session (pytest-xdist's workers
+# inherit the directory the first process made): many tests build engines of one configuration,
+# and XLA's compiles are most of the suite's time. A program is keyed by its whole text, so a
+# shared entry changes no result; every program is stored, not only those over jax's 1 s.
+_XLA_ENV = "MTP_JAX_TESTS_XLA_CACHE"
+if _XLA_ENV not in os.environ:
+  os.environ[_XLA_ENV] = tempfile.mkdtemp(prefix="mtp_jax_tests_xla_")
+  atexit.register(shutil.rmtree, os.environ[_XLA_ENV], True)
+jax.config.update("jax_compilation_cache_dir", os.environ[_XLA_ENV])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def tiny_config(**sections) -> config_lib.Config:

@@ -198,16 +198,17 @@ class Decoder:
     eng = slots.eng
     drain = ring_lib.Drain()
     clock = refill_lib.RefillClock(eng.cfg.batch_size)
+    chunk = eng.cfg.ring_size           # steps a chunk may run (the ring holds them all)
     state = slots.fill(state)
     while slots.busy():
-      if drain.pending and not slots.queue and slots.finish_within(eng.cfg.ring_size):
+      if drain.pending and not slots.queue and slots.finish_within(chunk):
         slots.collect(slots.timed(drain.finish))   # the chunk in flight ends every row
         continue
       state = slots.apply_cancel(state)
       # While requests wait, the chunk ends once every waiting request has a free slot, or once
       # the freed slots' idleness outweighs a refill's cost (refill.py).
       clock.launch()
-      state = eng.generate(self.params, state, sample=slots.sampling(),
+      state = eng.generate(self.params, state, chunk, sample=slots.sampling(),
                            refill=min(len(slots.queue), eng.cfg.batch_size),
                            idle_steps=clock.idle_steps(), closed=not slots.queue)
       slots.hand_over()                 # detokenise and write while the chunk runs

@@ -85,7 +85,7 @@ class Decoder:
     self.seed = seed
     self.last_stats: dict = {}
     # Acceptance per draft position that earlier runs measured: adaptive k's prior.
-    self.priors = priors_lib.Priors(self.engine.kd)
+    self.priors = priors_lib.Priors(self.engine.kd, decode_cfg.accept_window)
     self._fingerprint: str | None = None
     self.last_timing: dict = {}
 

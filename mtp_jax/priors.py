@@ -8,9 +8,10 @@ moments, as adaptive.row_prior_trials weighs the pool in a row's estimate): the 
 one more request, so where requests accept alike the pool counts for many trials (as many as a
 scatter within its own error allows), and where they differ for few, so that the window's counts
 of the request at hand soon outweigh it (per active row of the window's: adaptive.prior_weight).
-With fewer than two requests measured at a position, nothing says how alike they are: one
-pseudo-trial. A position no request measured takes a guess instead (the head's confidence, the
-estimate of the position before), counting for one window (init_controller).
+With fewer than two requests measured at a position, nothing says how alike they are: the one
+request counts as a guess does, for one window (at most its own trials). A position no request
+measured takes a guess instead (the head's confidence, the estimate of the position before),
+counting for one window (init_controller).
 
 Greedy and sampled runs keep apart (rejection sampling accepts less). A later process starts from
 the first position's rate and weight, stored beside the cost table (tables.save_rates). Host side.
@@ -25,7 +26,7 @@ import numpy as np
 from mtp_jax import tables
 
 
-def prior_trials(n_J, s1, s2, inv_n, trials, hits):
+def prior_trials(n_J, s1, s2, inv_n, trials, hits, alone: float = 1.0):
   """-> [K]: the pseudo-trials the pooled rate hits / trials counts for, per position, from the
   requests' moments there: n_J requests measured (trials > 0), the sums of their rates r_j, of
   r_j^2 and of 1 / trials_j. True rates spread around the pool's p with variance
@@ -33,7 +34,8 @@ def prior_trials(n_J, s1, s2, inv_n, trials, hits):
   at least its own standard error (~ the noise times sqrt(2 / J) over J requests): scatter too
   small to tell from the noise bounds m, it does not make the prior count for every trial the
   pool holds, which would keep the window from ever moving it (text unlike the earlier
-  requests', another process's). Fewer than two requests: 1; at most the pool's trials."""
+  requests', another process's). Fewer than two requests: `alone` (what a guess counts for: a
+  measured rate counts for no less); at most the pool's trials, at least 1."""
   n_J, trials = np.asarray(n_J, float), np.asarray(trials, float)
   j = np.maximum(n_J, 1.0)
   p = np.asarray(hits, float) / np.maximum(trials, 1.0)
@@ -43,16 +45,17 @@ def prior_trials(n_J, s1, s2, inv_n, trials, hits):
   tau2 = np.maximum(scatter - noise, noise * np.sqrt(2.0 / j))
   with np.errstate(divide="ignore", invalid="ignore"):
     m = np.where(tau2 > 0, pq / np.maximum(tau2, 1e-12) - 1.0, trials)
-  m = np.clip(m, 1.0, np.maximum(trials, 1.0))
-  return np.where(n_J >= 2, m, 1.0)
+  m = np.where(n_J >= 2, m, alone)
+  return np.clip(m, 1.0, np.maximum(trials, 1.0))
 
 
 class Counts:
   """One kind of run's (greedy or sampled) acceptance counts, per draft position: pooled over
   its requests, and the moments of the requests' own rates (prior_trials)."""
 
-  def __init__(self, kd: int):
+  def __init__(self, kd: int, alone: float = 1.0):
     self.sums = np.zeros((6, kd))    # requests measured, sum r, sum r^2, sum 1/n, trials, hits
+    self.alone = alone               # the weight of one request's rate (prior_trials)
 
   def add(self, trials_JK, hits_JK):
     """Adds finished requests' counts [J, Kd] (drafts reached per position, accepted there)."""
@@ -68,15 +71,16 @@ class Counts:
     """-> (rates, pseudo-trials) per position; rate -1 where fewer than 16 drafts were reached
     (tables.run_rates)."""
     trials, hits = self.sums[4], self.sums[5]
-    return tables.run_rates(trials, hits), prior_trials(*self.sums).tolist()
+    return tables.run_rates(trials, hits), prior_trials(*self.sums, self.alone).tolist()
 
 
 class Priors:
   """A decoder's priors: its runs' counts, greedy (False) and sampled (True) apart, and where
-  they are stored for later processes (set by Decoder.calibrate)."""
+  they are stored for later processes (set by Decoder.calibrate). window: what a guess counts
+  for in the controller (DecodeConfig.accept_window), and so a rate one request measured."""
 
-  def __init__(self, kd: int):
-    self.kd = kd
+  def __init__(self, kd: int, window: float):
+    self.kd, self.window = kd, float(window)
     self.counts: dict[bool, Counts] = {}
     self.path: str | None = None
     self.keys: dict[bool, str] = {}       # the tables file's key of each kind of run
@@ -103,7 +107,7 @@ class Priors:
     """Adds a run's finished requests; stores the prior after the first run of each kind, and
     the last one once the decoder is collected or the process exits (a file write per run is a
     few percent of a short run)."""
-    c = self.counts.setdefault(sampled, Counts(self.kd))
+    c = self.counts.setdefault(sampled, Counts(self.kd, self.window))
     c.add(trials_JK, hits_JK)
     rates, m = c.prior()
     if not self.path or sampled not in self.keys or max(rates, default=-1.0) < 0:

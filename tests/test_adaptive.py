@@ -502,21 +502,26 @@ def test_a_prior_alone_is_not_discounted_as_a_sample():
 def test_the_prior_pools_the_counts_of_the_decoders_requests(tmp_path):
   """The next run's prior is the acceptance of all the decoder's requests so far, pooled by
   their trials: one hard request (at one slot a run may hold only it) does not set every later
-  run's prior. It is stored after the first run, and again once the decoder is collected."""
+  run's prior. One request's rate counts as a guess does (one window, here 16 trials; at most
+  its own trials). It is stored after the first run, and again once the decoder is collected."""
   path = str(tmp_path / "tables.json")
-  pri = priors_lib.Priors(4)
+  pri = priors_lib.Priors(4, window=16)
   pri.path, pri.keys = path, {False: "greedy", True: "sampled"}      # as calibrate sets them
   assert pri.start(False) == (None, None)
   easy = ([100, 90, 80, 70], [90, 80, 70, 60])
   hard = ([40, 16, 4, 0], [16, 4, 0, 0])             # later positions unknown
   pri.learn(False, [easy[0]], [easy[1]])
   rates, m = pri.start(False)
-  assert rates == T.run_rates(*easy) and m == [1.0] * 4      # one request: one pseudo-trial
+  assert rates == T.run_rates(*easy) and m == [16.0] * 4     # one request: one window
   pri.learn(False, [hard[0]], [hard[1]])
   pooled = [106 / 140, 84 / 106, 70 / 84, 60 / 70]
   np.testing.assert_allclose(pri.start(False)[0], pooled)
   assert pri.start(True) == (None, None)                              # sampled runs apart
-  assert T.load_rates(path, "greedy") == (pytest.approx(T.run_rates(*easy), abs=1e-4), [1.0] * 4)
+  assert T.load_rates(path, "greedy") == (pytest.approx(T.run_rates(*easy), abs=1e-4),
+                                          [16.0] * 4)
+  few = priors_lib.Priors(2, window=32)
+  few.learn(False, [[20, 0]], [[18, 0]])
+  assert few.start(False)[1] == [20.0, 1.0]          # no more than the request's own trials
   stored = pri.start(False)
   del pri
   gc.collect()

@@ -46,7 +46,9 @@ class ParallelHeads(nnx.Module):
     K tokens computes only those)."""
     dt = h_BTD.dtype
     n = self.w_KDE.shape[0] if n is None else n
-    z = (jnp.einsum("BTD,KDE->BTKE", h_BTD, self.w_KDE[:n].astype(dt))
+    # A product per head: one contraction over [n, D, E] makes XLA:CPU copy the heads' weights
+    # to [D, n, E], every step.
+    z = (jnp.stack([h_BTD @ self.w_KDE[i].astype(dt) for i in range(n)], 2)
          + self.b_KE[:n].astype(dt))
     x = h_BTD[:, :, None, :] + jax.nn.silu(z)
     for l in range(self.extra):

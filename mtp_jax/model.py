@@ -135,7 +135,11 @@ class Attention(nnx.Module):
     return self._out(out), layer if isinstance(cache_kv, kv.LayerKV) else (layer.k, layer.v)
 
   def _out(self, out_BTNH):
-    y = jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.wo_NHD[...].astype(out_BTNH.dtype))
+    # One contraction over N*H: contracting N and H apart lets XLA:CPU lay the attention
+    # output out as [B, T, H, N] and transpose the whole weight to match, every step.
+    b, t, n, h = out_BTNH.shape
+    wo_ED = self.wo_NHD[...].astype(out_BTNH.dtype).reshape(n * h, -1)
+    y = out_BTNH.reshape(b, t, n * h) @ wo_ED
     if self.cfg.out_bias:
       y = y + self.bo_D[...].astype(y.dtype)
     return y

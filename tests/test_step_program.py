@@ -1,0 +1,58 @@
+"""The compiled decode loop: what XLA makes of the step.
+
+A decode step is bound by reading the weights once; a weight copied inside the loop is read and
+written again every step. XLA:CPU transposes a weight whose contraction does not match the layout
+it picked for the activations: an einsum over two of the weight's dims (the attention's output
+projection over heads and head dim), or over a stack of weights the activations do not share
+(all parallel heads at once)."""
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtp_jax import engine as E
+from mtp_jax import model as model_lib
+from mtp_jax.config import DecodeConfig, HeadsConfig
+from tests.conftest import tiny_config
+
+
+def weight_copies(hlo: str, weights) -> list[str]:
+  """The copy instructions in `hlo` whose shape is a permutation of a weight's (2-D or more)."""
+  shapes = {tuple(sorted(x.shape)) for x in jax.tree.leaves(weights) if x.ndim >= 2}
+  out = []
+  for dims in re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} copy\(", hlo):
+    shape = tuple(sorted(int(d) for d in dims.split(",") if d))
+    if shape in shapes and math.prod(shape) >= 1024:
+      out.append(dims)
+  return out
+
+
+def test_the_check_sees_a_weight_copied_in_a_loop():
+  """The contraction the output projection had (BTNH,NHD->BTD) in a loop: XLA:CPU copies the
+  weight every iteration, and weight_copies finds it (else the test below proves nothing)."""
+  w = jnp.ones((4, 16, 64))                                     # [N, H, D]
+
+  def loop(x_BTD, w_NHD):
+    def body(_, x):
+      y = jnp.einsum("BTD,DNH->BTNH", x, jnp.transpose(w_NHD, (2, 0, 1)))
+      return jnp.einsum("BTHN,NHD->BTD", jnp.swapaxes(y, 2, 3), w_NHD) + x
+    return jax.lax.fori_loop(0, 3, body, x_BTD)
+  hlo = jax.jit(loop).lower(jnp.ones((2, 1, 64)), w).compile().as_text()
+  assert weight_copies(hlo, [w]) != []
+
+
+@pytest.mark.parametrize("kind", ["parallel", "sequential"])
+def test_no_weight_is_copied_in_the_step(kind):
+  """Every weight of the trunk and the heads is read in place by the compiled decode loop."""
+  cfg = tiny_config()
+  hcfg = HeadsConfig(kind=kind, num=2)
+  _, params = model_lib.split(model_lib.create(cfg.model, hcfg, seed=0))
+  eng = E.Engine(cfg.model, hcfg, DecodeConfig(batch_size=2, k=2, ring_size=8), 0)
+  hlo = eng._generate.lower(params, eng.unembed(params), eng.init_state(), np.int32(4),
+                            np.int32(0), np.float32(np.inf), np.bool_(False), sample=False,
+                            ks=eng.ks).compile().as_text()
+  assert weight_copies(hlo, params) == []

@@ -16,6 +16,7 @@ import pytest
 
 from mtp_jax import engine as E
 from mtp_jax import model as model_lib
+from mtp_jax import shapes
 from mtp_jax.config import DecodeConfig, HeadsConfig
 from tests.conftest import tiny_config
 
@@ -45,14 +46,18 @@ def test_the_check_sees_a_weight_copied_in_a_loop():
   assert weight_copies(hlo, [w]) != []
 
 
-@pytest.mark.parametrize("kind", ["parallel", "sequential"])
-def test_no_weight_is_copied_in_the_step(kind):
-  """Every weight of the trunk and the heads is read in place by the compiled decode loop."""
+@pytest.mark.parametrize("kind, tree, sample", [("parallel", False, False),
+                                                ("sequential", False, False),
+                                                ("parallel", True, True)])
+def test_no_weight_is_copied_in_the_step(kind, tree, sample):
+  """Every weight of the trunk and the heads is read in place by the compiled decode loop:
+  chains greedy, a token tree sampled."""
   cfg = tiny_config()
   hcfg = HeadsConfig(kind=kind, num=2)
   _, params = model_lib.split(model_lib.create(cfg.model, hcfg, seed=0))
-  eng = E.Engine(cfg.model, hcfg, DecodeConfig(batch_size=2, k=2, ring_size=8), 0)
+  shape = {"tree": shapes.tree_for(4, 2).choices} if tree else {}
+  eng = E.Engine(cfg.model, hcfg, DecodeConfig(batch_size=2, k=2, ring_size=8, **shape), 0)
   hlo = eng._generate.lower(params, eng.unembed(params), eng.init_state(), np.int32(4),
-                            np.int32(0), np.float32(np.inf), np.bool_(False), sample=False,
+                            np.int32(0), np.float32(np.inf), np.bool_(False), sample=sample,
                             ks=eng.ks).compile().as_text()
   assert weight_copies(hlo, params) == []

@@ -26,7 +26,7 @@ import numpy as np
 from mtp_jax import tables
 
 
-def prior_trials(n_J, s1, s2, inv_n, trials, hits, alone: float = 1.0):
+def prior_trials(n_J, s1, s2, inv_n, trials, hits, alone: float):
   """-> [K]: the pseudo-trials the pooled rate hits / trials counts for, per position, from the
   requests' moments there: n_J requests measured (trials > 0), the sums of their rates r_j, of
   r_j^2 and of 1 / trials_j. True rates spread around the pool's p with variance
@@ -53,7 +53,7 @@ class Counts:
   """One kind of run's (greedy or sampled) acceptance counts, per draft position: pooled over
   its requests, and the moments of the requests' own rates (prior_trials)."""
 
-  def __init__(self, kd: int, alone: float = 1.0):
+  def __init__(self, kd: int, alone: float):
     self.sums = np.zeros((6, kd))    # requests measured, sum r, sum r^2, sum 1/n, trials, hits
     self.alone = alone               # the weight of one request's rate (prior_trials)
 

@@ -536,7 +536,7 @@ def test_the_priors_weight_follows_how_far_requests_scatter():
   alike pool would hold the estimate near its own rate. The weight is the beta-binomial
   moments' (tau^2 = p (1 - p) / (m + 1))."""
   def weight(hits):
-    c = priors_lib.Counts(1)
+    c = priors_lib.Counts(1, alone=16.0)
     c.add([[100.0]] * len(hits), [[h] for h in hits])
     return c.prior()[1][0]
   # No scatter beyond the noise: tau^2 at its standard error, noise sqrt(2 / J) (0.16 / 100

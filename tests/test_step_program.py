@@ -23,26 +23,27 @@ from tests.conftest import tiny_config
 
 def weight_copies(hlo: str, weights) -> list[str]:
   """The copy instructions in `hlo` whose shape is a permutation of a weight's (2-D or more)."""
-  shapes = {tuple(sorted(x.shape)) for x in jax.tree.leaves(weights) if x.ndim >= 2}
+  weight_shapes = {tuple(sorted(x.shape)) for x in jax.tree.leaves(weights) if x.ndim >= 2}
   out = []
   for dims in re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} copy\(", hlo):
     shape = tuple(sorted(int(d) for d in dims.split(",") if d))
-    if shape in shapes and math.prod(shape) >= 1024:
+    if shape in weight_shapes and math.prod(shape) >= 1024:
       out.append(dims)
   return out
 
 
 def test_the_check_sees_a_weight_copied_in_a_loop():
-  """The contraction the output projection had (BTNH,NHD->BTD) in a loop: XLA:CPU copies the
-  weight every iteration, and weight_copies finds it (else the test below proves nothing)."""
-  w = jnp.ones((4, 16, 64))                                     # [N, H, D]
+  """The kind of contraction the output projection had: activations laid out [B, T, H, N]
+  against a weight [N, H, D], in a loop. XLA:CPU copies the weight every iteration, and
+  weight_copies finds it (else the test below proves nothing)."""
+  w_in, w = jnp.ones((64, 64)), jnp.ones((4, 16, 64))          # [D, H*N], [N, H, D]
 
-  def loop(x_BTD, w_NHD):
+  def loop(x_BTD, w_in, w_NHD):
     def body(_, x):
-      y = jnp.einsum("BTD,DNH->BTNH", x, jnp.transpose(w_NHD, (2, 0, 1)))
-      return jnp.einsum("BTHN,NHD->BTD", jnp.swapaxes(y, 2, 3), w_NHD) + x
+      y_BTHN = (x @ w_in).reshape(x.shape[0], x.shape[1], 16, 4)
+      return jnp.einsum("BTHN,NHD->BTD", y_BTHN, w_NHD) + x
     return jax.lax.fori_loop(0, 3, body, x_BTD)
-  hlo = jax.jit(loop).lower(jnp.ones((2, 1, 64)), w).compile().as_text()
+  hlo = jax.jit(loop).lower(jnp.ones((2, 1, 64)), w_in, w).compile().as_text()
   assert weight_copies(hlo, [w]) != []
 
 

@@ -12,7 +12,9 @@ order every other repeat, so that no mode always runs first or right after anoth
 mode's repeat of median throughput; its speedup is the median over repeats of the throughput ratio
 to vanilla's throughput at the moment the run ran, interpolated between the vanilla runs before
 and after it (interquartile range in brackets in the table): the alternating order puts every run
-between two vanilla runs, so a machine whose speed drifts steadily cancels out.
+between two vanilla runs, so a machine whose speed drifts steadily cancels out. An adaptive row is
+also set against the best fixed shape beside it (vanilla, mtp:K, tree:T) by the same pairing: a
+second table, adaptive / best fixed (compare_to_best_fixed).
 
 Latency: a request's time to first token (TTFT) is from the start of the run to the moment the
 host holds its first token; its time per output token (TPOT) is (finish - first token) / (tokens
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 import os
 import time
 
@@ -45,6 +46,8 @@ from mtp_jax import shape_set
 from mtp_jax import shapes
 from mtp_jax import sharding as sharding_lib
 from mtp_jax import widen as widen_lib
+from mtp_jax.bench_report import (  # noqa: F401 (API)
+    HEADER, format_row, format_vs_best, write_outputs)
 from mtp_jax.config import Config, DecodeConfig
 from mtp_jax.prompts import heldout_prompts, load_prompts  # noqa: F401 (API)
 from mtp_jax.roofline import kv_read_positions, machine_info, roofs, step_cost  # noqa: F401 (API)
@@ -140,6 +143,10 @@ class Result:
   speedup_q25: float = 1.0
   speedup_q75: float = 1.0
   at_s: float = 0.0               # the middle of the run, seconds from the batch's first timed run
+  best_fixed: str | None = None   # adaptive rows: the fixed shape of highest speedup beside it
+  vs_best: float | None = None    # median over repeats of the ratio to best_fixed at the same time
+  vs_best_q25: float | None = None
+  vs_best_q75: float | None = None
 
 
 def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: int,
@@ -191,8 +198,9 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
         tick(done, total, f"batch {b} {mode}: {r.tokens_per_s:,.0f} tokens/s, acceptance "
              f"{r.acceptance_length:.2f}")
     base = next((runs[m] for m, v in variants.items() if v[0] == "vanilla"), None)
-    for mode in labels:
-      r = summarize(runs[mode], base)
+    rows = {mode: summarize(runs[mode], base) for mode in labels}
+    compare_to_best_fixed(rows, runs, variants)
+    for mode, r in rows.items():
       _roofline(r, decoders[mode], mcfg, hcfg, params, draft, machine,
                 kv_read_positions(decoders[mode].engine.cfg, longest, max_new_tokens))
       results.append(r)
@@ -269,24 +277,50 @@ def _variants(modes, attention, kv_dtype) -> dict[str, tuple[str, str, str]]:
 def summarize(runs: list[Result], base: list[Result] | None) -> Result:
   """One row from a mode's timed repeats: the repeat of median throughput (its latencies and
   counts with it), and the speedup as the median over repeats of the ratio of a run's
-  throughput to vanilla's at the same moment (at_s), with its interquartile range. Vanilla's is
-  interpolated linearly in time between the vanilla runs before and after the run (the nearest
-  one past either end); runs without times (at_s all equal) pair with the vanilla run of the
-  same repeat. Ratios to the moment follow a machine whose speed drifts between repeats: in the
-  alternating order a mode runs up to len(modes) - 1 runs away from the same repeat's vanilla
-  run, but always between two vanilla runs. A ratio of the best runs compares two lucky
-  moments."""
+  throughput to vanilla's at the same moment (paired_ratios), with its interquartile range."""
   r = dataclasses.replace(sorted(runs, key=lambda x: x.tokens_per_s)[(len(runs) - 1) // 2])
   if base:
-    at = np.array([v.at_s for v in base])
-    if len(base) > 1 and np.all(np.diff(at) > 0):
-      tps = np.array([v.tokens_per_s for v in base])
-      ratios = np.array([x.tokens_per_s / np.interp(x.at_s, at, tps) for x in runs])
-    else:
-      ratios = np.array([x.tokens_per_s / v.tokens_per_s for x, v in zip(runs, base)])
-    r.speedup = float(np.median(ratios))
-    r.speedup_q25, r.speedup_q75 = (float(q) for q in np.quantile(ratios, [0.25, 0.75]))
+    r.speedup, r.speedup_q25, r.speedup_q75 = _quartiles(paired_ratios(runs, base))
   return r
+
+
+def paired_ratios(runs: list[Result], base: list[Result]) -> np.ndarray:
+  """Per run, its throughput over base's at the moment it ran (at_s): base's is interpolated
+  linearly in time between its runs before and after (the nearest one past either end); runs
+  without times (at_s all equal) pair with base's run of the same repeat. Ratios to the moment
+  follow a machine whose speed drifts between repeats: in the alternating order a mode runs up to
+  len(modes) - 1 runs away from the same repeat's base run, but always between two of base's
+  runs. A ratio of the best runs compares two lucky moments."""
+  at = np.array([v.at_s for v in base])
+  if len(base) > 1 and np.all(np.diff(at) > 0):
+    tps = np.array([v.tokens_per_s for v in base])
+    return np.array([x.tokens_per_s / np.interp(x.at_s, at, tps) for x in runs])
+  return np.array([x.tokens_per_s / v.tokens_per_s for x, v in zip(runs, base)])
+
+
+def _quartiles(ratios: np.ndarray) -> tuple[float, float, float]:
+  """-> (median, first quartile, third quartile)."""
+  return tuple(float(q) for q in np.quantile(ratios, [0.5, 0.25, 0.75]))
+
+
+def compare_to_best_fixed(rows: dict[str, Result], runs: dict[str, list[Result]],
+                          variants: dict[str, tuple[str, str, str]]):
+  """Sets each adaptive row's best_fixed and vs_best: the fixed shape of the heads (vanilla,
+  mtp:K, tree:T) of highest speedup at the same attention and cache dtype, and the median over
+  repeats of adaptive's throughput over that mode's at the same moment (paired_ratios), with its
+  interquartile range: adaptive k's promise (at or above plain decoding; near the best fixed k)
+  read off one run, pairs of runs side by side."""
+  for label, (mode, attention, kv) in variants.items():
+    if mode != "adaptive":
+      continue
+    fixed = [lb for lb, (m, a, c) in variants.items()
+             if (a, c) == (attention, kv) and parse_mode(m)[0] == "heads" and m != "adaptive"]
+    if not fixed:
+      continue
+    best = max(fixed, key=lambda lb: (rows[lb].speedup, rows[lb].tokens_per_s))
+    r = rows[label]
+    r.best_fixed = best
+    r.vs_best, r.vs_best_q25, r.vs_best_q75 = _quartiles(paired_ratios(runs[label], runs[best]))
 
 
 def _roofline(r: Result, dec, mcfg, hcfg, params, draft, machine, kv_positions=None):
@@ -316,58 +350,3 @@ def place_on_roofline(r: Result, machine: dict | None):
   r.bound = "memory" if intensity < peak / bw else "compute"
   llc = machine.get("last_level_cache_bytes")
   r.fits_in_cache = None if not llc else nbytes < llc
-
-
-HEADER = ("| mode | batch | tokens/s | speedup (IQR) | acceptance length | "
-          "acceptance per position | TTFT p50 ms | TPOT p50/p99 ms | host us/step | roofline | "
-          "bound | compile s |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|")
-
-
-def format_row(r: Result) -> str:
-  per = " ".join(f"{x:.2f}" for x in r.acceptance_rate_per_position) or "-"
-  roof = "-" if r.roofline_fraction is None else f"{r.roofline_fraction:.2f}"
-  if r.fits_in_cache:
-    roof += " (in cache)"
-  spread = "" if r.speedup_q25 == r.speedup_q75 else \
-      f" ({r.speedup_q25:.2f}-{r.speedup_q75:.2f})"
-  return (f"| {r.mode} | {r.batch_size} | {r.tokens_per_s:.1f} | {r.speedup:.2f}{spread} | "
-          f"{r.acceptance_length:.2f} | {per} | {r.ttft_ms_p50:.1f} | "
-          f"{r.tpot_ms_p50:.2f}/{r.tpot_ms_p99:.2f} | {r.host_overhead_us:.0f} | {roof} | "
-          f"{r.bound or '-'} | {r.compile_s:.1f} |")
-
-
-def write_outputs(out_dir: str, machine: dict, results: list[Result], command: str = ""):
-  """results.json, results.md and results.png (throughput and speedup vs batch size)."""
-  os.makedirs(out_dir, exist_ok=True)
-  with open(os.path.join(out_dir, "results.json"), "w") as f:
-    json.dump({"machine": machine, "command": command,
-               "results": [dataclasses.asdict(r) for r in results]}, f, indent=2)
-  with open(os.path.join(out_dir, "results.md"), "w") as f:
-    if command:
-      f.write(f"`{command}`\n\n")
-    f.write(", ".join(f"{k}: {v}" for k, v in machine.items()) + "\n\n")
-    f.write(HEADER + "\n" + "\n".join(format_row(r) for r in results) + "\n")
-  plot(results, os.path.join(out_dir, "results.png"))
-
-
-def plot(results: list[Result], path: str):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-  for mode in dict.fromkeys(r.mode for r in results):
-    rs = sorted((r for r in results if r.mode == mode), key=lambda r: r.batch_size)
-    bs = [r.batch_size for r in rs]
-    ax1.plot(bs, [r.tokens_per_s for r in rs], marker="o", label=mode)
-    ax2.plot(bs, [r.speedup for r in rs], marker="o", label=mode)
-  for ax, name in ((ax1, "output tokens/s"), (ax2, "speedup over vanilla")):
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size (concurrent rows)")
-    ax.set_ylabel(name)
-    ax.grid(True, alpha=0.3)
-  ax2.axhline(1.0, color="gray", lw=1, ls="--")
-  ax1.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)

@@ -41,8 +41,11 @@ def test_every_mode_writes_json_table_and_plot(trained_tiny, tmp_path):
   # The target drafting for itself accepts (nearly) everything.
   draft = [r for r in data["results"] if r["mode"] == "draft:2"]
   assert min(draft[0]["acceptance_rate_per_position"]) > 0.95, draft
+  ad = [r for r in data["results"] if r["mode"] == "adaptive"][0]
+  assert ad["best_fixed"] in ("vanilla", "mtp:2") and ad["vs_best"] > 0
   md = (out / "results.md").read_text()
   assert "| draft:2 | 2 |" in md and "mtp-bench --test" in md
+  assert f"| adaptive | 2 | {ad['best_fixed']} |" in md
   assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -106,3 +109,35 @@ def test_speedup_compares_each_run_with_vanilla_at_the_same_moment():
   r = benchmark.summarize(ad, van)
   assert abs(r.speedup - 1.1) < 1e-9 and abs(r.speedup_q25 - 1.1) < 1e-9
   assert benchmark.summarize(van, van).speedup == 1.0
+
+
+def test_adaptive_is_set_against_the_best_fixed_shape_at_the_same_moment():
+  def res(mode, tps, at):
+    return benchmark.Result(mode, 1, tps, 1.0, [], 100, 100 / tps, 10, 1.0, 1.0, 1.0, 1.0, 1.0,
+                            1.0, 1, None, at_s=at)
+  # Order V m1 m3 n a | a n m3 m1 V, one run a second, the machine slowing steadily: mtp:3 runs
+  # 1.3x vanilla, adaptive 0.97x mtp:3 at every moment, ngram:2 (another drafter) 1.5x.
+  speed = lambda t: 100.0 - 2.0 * t
+  labels = ["vanilla", "mtp:1", "mtp:3", "ngram:2", "adaptive"]
+  factor = {"vanilla": 1.0, "mtp:1": 1.1, "mtp:3": 1.3, "ngram:2": 1.5, "adaptive": 1.3 * 0.97}
+  runs = {m: [] for m in labels}
+  t = 0.0
+  for rep in range(4):
+    for m in (labels if rep % 2 == 0 else labels[::-1]):
+      runs[m].append(res(m, factor[m] * speed(t), t))
+      t += 1.0
+  variants = benchmark._variants(labels, "blocked", "auto")
+  rows = {m: benchmark.summarize(runs[m], runs["vanilla"]) for m in labels}
+  benchmark.compare_to_best_fixed(rows, runs, variants)
+  ad = rows["adaptive"]
+  assert ad.best_fixed == "mtp:3" and abs(ad.vs_best - 0.97) < 1e-9
+  assert abs(ad.vs_best_q25 - 0.97) < 1e-9 and abs(ad.vs_best_q75 - 0.97) < 1e-9
+  assert all(rows[m].vs_best is None for m in labels[:-1])
+  table = benchmark.format_vs_best(list(rows.values()))
+  assert "| adaptive | 1 | mtp:3 | 0.97 (0.97-0.97) |" in table
+  # Without a fixed shape of the heads beside it there is nothing to set it against.
+  only = {m: rows[m] for m in ("ngram:2", "adaptive")}
+  only["adaptive"] = benchmark.summarize(runs["adaptive"], None)
+  benchmark.compare_to_best_fixed(only, runs, benchmark._variants(["ngram:2", "adaptive"],
+                                                                  "blocked", "auto"))
+  assert only["adaptive"].vs_best is None and benchmark.format_vs_best(list(only.values())) == ""

@@ -138,10 +138,7 @@ def main(argv):
     say(", ".join(f"{k}: {v}" for k, v in machine.items() if k.endswith("_s")))
     for r in results:
       benchmark.place_on_roofline(r, machine)
-  print(benchmark.HEADER)
-  print("\n".join(benchmark.format_row(r) for r in results), flush=True)
-  if benchmark.format_vs_best(results):
-    print("\n" + benchmark.format_vs_best(results), flush=True)
+  print(benchmark.format_tables(results), flush=True)
   if _OUT.value:
     command = "mtp-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     benchmark.write_outputs(_OUT.value, machine, results, command)

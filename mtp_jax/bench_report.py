@@ -44,6 +44,13 @@ def format_vs_best(results: list[Result]) -> str:
                       f"({r.vs_best_q25:.2f}-{r.vs_best_q75:.2f}) |" for r in rows))
 
 
+def format_tables(results: list[Result]) -> str:
+  """The results table, and below it adaptive against the best fixed shape where it has one."""
+  vs = format_vs_best(results)
+  return (HEADER + "\n" + "\n".join(format_row(r) for r in results)
+          + ("\n\n" + vs if vs else ""))
+
+
 def write_outputs(out_dir: str, machine: dict, results: list[Result], command: str = ""):
   """results.json, results.md and results.png (throughput and speedup vs batch size)."""
   os.makedirs(out_dir, exist_ok=True)
@@ -54,9 +61,7 @@ def write_outputs(out_dir: str, machine: dict, results: list[Result], command: s
     if command:
       f.write(f"`{command}`\n\n")
     f.write(", ".join(f"{k}: {v}" for k, v in machine.items()) + "\n\n")
-    f.write(HEADER + "\n" + "\n".join(format_row(r) for r in results) + "\n")
-    if format_vs_best(results):
-      f.write("\n" + format_vs_best(results) + "\n")
+    f.write(format_tables(results) + "\n")
   plot(results, os.path.join(out_dir, "results.png"))
 
 

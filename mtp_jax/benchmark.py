@@ -47,7 +47,7 @@ from mtp_jax import shapes
 from mtp_jax import sharding as sharding_lib
 from mtp_jax import widen as widen_lib
 from mtp_jax.bench_report import (  # noqa: F401 (API)
-    HEADER, format_row, format_vs_best, write_outputs)
+    HEADER, format_row, format_tables, format_vs_best, write_outputs)
 from mtp_jax.config import Config, DecodeConfig
 from mtp_jax.prompts import heldout_prompts, load_prompts  # noqa: F401 (API)
 from mtp_jax.roofline import kv_read_positions, machine_info, roofs, step_cost  # noqa: F401 (API)

@@ -27,7 +27,8 @@ _MODEL = flags.DEFINE_string("model", "pretrained/demo",
                              "A model directory, or config:NAME (configs/NAME.py, random weights).")
 _MODES = flags.DEFINE_list("modes", ["vanilla", "mtp:1", "mtp:2", "mtp:3", "adaptive"],
                            "vanilla | mtp:K | adaptive | draft:K | ngram:K | tree:T (a token "
-                           "tree of T nodes from the heads' top candidates)")
+                           "tree of T nodes from the heads' top candidates) | control (plain "
+                           "decoding in a second decoder: the speedups' floor)")
 _DRAFT = flags.DEFINE_string("draft_model", "pretrained/draft", "Draft model of draft:K modes.")
 _BATCH = flags.DEFINE_list("batch_sizes", ["1", "8"], "Slot counts to measure.")
 _PROMPTS = flags.DEFINE_string(
@@ -65,10 +66,10 @@ def check_flags() -> list[int]:
     raise checks.FlagError("--modes=: must list at least one mode")
   for m in _MODES.value:
     # benchmark.parse_mode's grammar, matched here so that a typo fails before JAX is imported.
-    if not re.fullmatch(r"vanilla|adaptive|(mtp|draft|ngram|tree):0*[1-9][0-9]*", m):
+    if not re.fullmatch(r"vanilla|control|adaptive|(mtp|draft|ngram|tree):0*[1-9][0-9]*", m):
       raise checks.FlagError(f"--modes={','.join(_MODES.value)}: unknown mode {m!r} (expected "
-                             "vanilla, adaptive, mtp:K, draft:K, ngram:K or tree:T with K, "
-                             "T >= 1)")
+                             "vanilla, control, adaptive, mtp:K, draft:K, ngram:K or tree:T with "
+                             "K, T >= 1)")
   sizes = checks.int_list("batch_sizes", _BATCH.value, lo=1)
   if _MODEL.value.startswith("config:"):
     name = _MODEL.value[len("config:"):]

@@ -4,8 +4,11 @@ Modes: 'vanilla' (plain decoding, k = 0), 'mtp:K' (K drafts from the MTP heads p
 'adaptive' (k chosen on the device from the calibrated cost table and acceptance), 'draft:K'
 (classic speculative decoding: K drafts from a separate small draft model with its own KV cache)
 and 'ngram:K' (prompt lookup: K drafts copied from the row's own history), 'tree:T' (a token tree
-of T nodes from the heads' top candidates, verified in one pass: shapes.tree_for). All go through
-the same verification, so greedy outputs are identical. Every (batch size, mode) pair gets its own
+of T nodes from the heads' top candidates, verified in one pass: shapes.tree_for), 'control'
+(plain decoding again, in a decoder of its own: its speedup, which would be 1.00 on a quiet
+machine, is how far two decoders of one program differ in this process, an offset that repeats
+do not remove, so the floor below which the other speedups say nothing). All go through the same
+verification, so greedy outputs are identical. Every (batch size, mode) pair gets its own
 compiled engine (compile time reported apart), warmed up before timing; timed runs of all modes
 are interleaved repeat by repeat, so that a noisy machine slows all of them alike, in reversed
 order every other repeat, so that no mode always runs first or right after another. A row is the
@@ -54,9 +57,9 @@ from mtp_jax.roofline import kv_read_positions, machine_info, roofs, step_cost  
 
 
 def parse_mode(mode: str) -> tuple[str, int | str]:
-  """'vanilla' -> ('heads', 0), 'mtp:K' -> ('heads', K), 'adaptive' -> ('heads', 'auto'),
-  'draft:K' -> ('model', K), 'ngram:K' -> ('ngram', K), 'tree:T' -> ('heads', 'tree:T')."""
-  if mode == "vanilla":
+  """'vanilla' and 'control' -> ('heads', 0), 'mtp:K' -> ('heads', K), 'adaptive' -> ('heads',
+  'auto'), 'draft:K' -> ('model', K), 'ngram:K' -> ('ngram', K), 'tree:T' -> ('heads', 'tree:T')."""
+  if mode in ("vanilla", "control"):
     return "heads", 0
   if mode == "adaptive":
     return "heads", "auto"
@@ -65,7 +68,7 @@ def parse_mode(mode: str) -> tuple[str, int | str]:
   for prefix, drafter in (("mtp:", "heads"), ("draft:", "model"), ("ngram:", "ngram")):
     if mode.startswith(prefix) and mode[len(prefix):].isdigit() and int(mode[len(prefix):]) > 0:
       return drafter, int(mode[len(prefix):])
-  raise ValueError(f"--modes: unknown mode {mode!r} (expected vanilla, adaptive, mtp:K, "
+  raise ValueError(f"--modes: unknown mode {mode!r} (expected vanilla, control, adaptive, mtp:K, "
                    "draft:K, ngram:K or tree:T with K, T >= 1)")
 
 
@@ -313,8 +316,8 @@ def compare_to_best_fixed(rows: dict[str, Result], runs: dict[str, list[Result]]
   for label, (mode, attention, kv) in variants.items():
     if mode != "adaptive":
       continue
-    fixed = [lb for lb, (m, a, c) in variants.items()
-             if (a, c) == (attention, kv) and parse_mode(m)[0] == "heads" and m != "adaptive"]
+    fixed = [lb for lb, (m, a, c) in variants.items() if (a, c) == (attention, kv)
+             and parse_mode(m)[0] == "heads" and m not in ("adaptive", "control")]
     if not fixed:
       continue
     best = max(fixed, key=lambda lb: (rows[lb].speedup, rows[lb].tokens_per_s))

@@ -53,10 +53,14 @@ def test_config_model_and_prompt_files(tmp_path):
   prompts = tmp_path / "p.jsonl"
   prompts.write_text('{"id": 1, "prompt": "def f(x):\\n    return x\\n"}\n'
                      '{"custom_id": "a", "body": {"prompt": "import os\\n"}}\n')
-  res = benchmark.run("config:tiny", ["vanilla", "ngram:2"], [2], max_new_tokens=4,
-                      prompt_tokens=8, repeats=1, warmup=0, prompts=str(prompts),
+  res = benchmark.run("config:tiny", ["vanilla", "ngram:2", "control"], [2], max_new_tokens=4,
+                      prompt_tokens=8, repeats=2, warmup=0, prompts=str(prompts),
                       log=lambda s: None)
-  assert [r.mode for r in res] == ["vanilla", "ngram:2"] and res[0].new_tokens > 0
+  assert [r.mode for r in res] == ["vanilla", "ngram:2", "control"] and res[0].new_tokens > 0
+  # The control is plain decoding in a decoder of its own: the same tokens, a speedup of its
+  # own (the two decoders' scatter), set against vanilla's runs like any mode.
+  assert res[2].new_tokens == res[0].new_tokens and res[2].acceptance_length == 1.0
+  assert res[2].speedup > 0 and res[2].speedup_q25 <= res[2].speedup <= res[2].speedup_q75
   with pytest.raises(ValueError, match="line 1 has no prompt"):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": 1}\n')
@@ -115,11 +119,12 @@ def test_adaptive_is_set_against_the_best_fixed_shape_at_the_same_moment():
   def res(mode, tps, at):
     return benchmark.Result(mode, 1, tps, 1.0, [], 100, 100 / tps, 10, 1.0, 1.0, 1.0, 1.0, 1.0,
                             1.0, 1, None, at_s=at)
-  # Order V m1 m3 n a | a n m3 m1 V, one run a second, the machine slowing steadily: mtp:3 runs
-  # 1.3x vanilla, adaptive 0.97x mtp:3 at every moment, ngram:2 (another drafter) 1.5x.
+  # Order V m1 m3 n c a | a c n m3 m1 V, one run a second, the machine slowing steadily: mtp:3
+  # runs 1.3x vanilla, adaptive 0.97x mtp:3 at every moment, ngram:2 (another drafter) 1.5x.
   speed = lambda t: 100.0 - 2.0 * t
-  labels = ["vanilla", "mtp:1", "mtp:3", "ngram:2", "adaptive"]
-  factor = {"vanilla": 1.0, "mtp:1": 1.1, "mtp:3": 1.3, "ngram:2": 1.5, "adaptive": 1.3 * 0.97}
+  labels = ["vanilla", "mtp:1", "mtp:3", "ngram:2", "control", "adaptive"]
+  factor = {"vanilla": 1.0, "mtp:1": 1.1, "mtp:3": 1.3, "ngram:2": 1.5, "adaptive": 1.3 * 0.97,
+            "control": 1.6}     # plain decoding in a lucky decoder: no shape to set adaptive against
   runs = {m: [] for m in labels}
   t = 0.0
   for rep in range(4):

@@ -123,8 +123,9 @@ def test_adaptive_is_set_against_the_best_fixed_shape_at_the_same_moment():
   # runs 1.3x vanilla, adaptive 0.97x mtp:3 at every moment, ngram:2 (another drafter) 1.5x.
   speed = lambda t: 100.0 - 2.0 * t
   labels = ["vanilla", "mtp:1", "mtp:3", "ngram:2", "control", "adaptive"]
+  # control: plain decoding in a lucky decoder, no shape to set adaptive against.
   factor = {"vanilla": 1.0, "mtp:1": 1.1, "mtp:3": 1.3, "ngram:2": 1.5, "adaptive": 1.3 * 0.97,
-            "control": 1.6}     # plain decoding in a lucky decoder: no shape to set adaptive against
+            "control": 1.6}
   runs = {m: [] for m in labels}
   t = 0.0
   for rep in range(4):

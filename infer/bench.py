@@ -14,7 +14,6 @@ column measures and how.
 """
 
 import os
-import re
 import shlex
 import sys
 
@@ -22,6 +21,7 @@ from absl import app, flags, logging
 
 from infer import checks, mesh_flags
 from infer.progress import Progress
+from mtp_jax import modes
 
 _MODEL = flags.DEFINE_string("model", "pretrained/demo",
                              "A model directory, or config:NAME (configs/NAME.py, random weights).")
@@ -65,11 +65,10 @@ def check_flags() -> list[int]:
   if not _MODES.value:
     raise checks.FlagError("--modes=: must list at least one mode")
   for m in _MODES.value:
-    # benchmark.parse_mode's grammar, matched here so that a typo fails before JAX is imported.
-    if not re.fullmatch(r"vanilla|control|adaptive|(mtp|draft|ngram|tree):0*[1-9][0-9]*", m):
-      raise checks.FlagError(f"--modes={','.join(_MODES.value)}: unknown mode {m!r} (expected "
-                             "vanilla, control, adaptive, mtp:K, draft:K, ngram:K or tree:T with "
-                             "K, T >= 1)")
+    try:
+      modes.parse_mode(m)
+    except ValueError as e:
+      raise checks.FlagError(f"--modes={','.join(_MODES.value)}: {e}") from None
   sizes = checks.int_list("batch_sizes", _BATCH.value, lo=1)
   if _MODEL.value.startswith("config:"):
     name = _MODEL.value[len("config:"):]

@@ -44,6 +44,7 @@ from mtp_jax import api
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import data as data_lib
 from mtp_jax import memory
+from mtp_jax.modes import parse_mode  # noqa: F401 (API)
 from mtp_jax import model as model_lib
 from mtp_jax import shape_set
 from mtp_jax import shapes
@@ -54,22 +55,6 @@ from mtp_jax.bench_report import (  # noqa: F401 (API)
 from mtp_jax.config import Config, DecodeConfig
 from mtp_jax.prompts import heldout_prompts, load_prompts  # noqa: F401 (API)
 from mtp_jax.roofline import kv_read_positions, machine_info, roofs, step_cost  # noqa: F401 (API)
-
-
-def parse_mode(mode: str) -> tuple[str, int | str]:
-  """'vanilla' and 'control' -> ('heads', 0), 'mtp:K' -> ('heads', K), 'adaptive' -> ('heads',
-  'auto'), 'draft:K' -> ('model', K), 'ngram:K' -> ('ngram', K), 'tree:T' -> ('heads', 'tree:T')."""
-  if mode in ("vanilla", "control"):
-    return "heads", 0
-  if mode == "adaptive":
-    return "heads", "auto"
-  if mode.startswith("tree:") and mode[len("tree:"):].isdigit() and int(mode[len("tree:"):]) > 0:
-    return "heads", mode
-  for prefix, drafter in (("mtp:", "heads"), ("draft:", "model"), ("ngram:", "ngram")):
-    if mode.startswith(prefix) and mode[len(prefix):].isdigit() and int(mode[len(prefix):]) > 0:
-      return drafter, int(mode[len(prefix):])
-  raise ValueError(f"--modes: unknown mode {mode!r} (expected vanilla, control, adaptive, mtp:K, "
-                   "draft:K, ngram:K or tree:T with K, T >= 1)")
 
 
 def _model_dir(model: str) -> str | None:

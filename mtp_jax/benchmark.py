@@ -44,7 +44,6 @@ from mtp_jax import api
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import data as data_lib
 from mtp_jax import memory
-from mtp_jax.modes import parse_mode  # noqa: F401 (API)
 from mtp_jax import model as model_lib
 from mtp_jax import shape_set
 from mtp_jax import shapes
@@ -53,6 +52,7 @@ from mtp_jax import widen as widen_lib
 from mtp_jax.bench_report import (  # noqa: F401 (API)
     HEADER, format_row, format_tables, format_vs_best, write_outputs)
 from mtp_jax.config import Config, DecodeConfig
+from mtp_jax.modes import parse_mode
 from mtp_jax.prompts import heldout_prompts, load_prompts  # noqa: F401 (API)
 from mtp_jax.roofline import kv_read_positions, machine_info, roofs, step_cost  # noqa: F401 (API)
 

@@ -9,7 +9,7 @@ side in one run, with latency percentiles, host overhead, a roofline and a plot.
 Writes OUT/results.json ({"machine": ..., "results": [...]}), OUT/results.md and OUT/results.png;
 the table is printed when the run ends (rows also as each batch size finishes, with a progress
 bar on a terminal, on stderr; the roofline columns, probed after the runs, only in the final
-table). Flags are checked before any model is loaded. See mtp_jax/benchmark.py for what each
+table). Flags are checked before any model is loaded. See mtp_jax/bench/benchmark.py for what each
 column measures and how.
 """
 
@@ -21,7 +21,7 @@ from absl import app, flags, logging
 
 from infer import checks, mesh_flags
 from infer.progress import Progress
-from mtp_jax import modes
+from mtp_jax.bench import modes
 
 _MODEL = flags.DEFINE_string("model", "pretrained/demo",
                              "A model directory, or config:NAME (configs/NAME.py, random weights).")
@@ -75,7 +75,7 @@ def check_flags() -> list[int]:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if not os.path.isfile(os.path.join(here, "configs", name + ".py")):
       raise checks.FlagError(f"--model={_MODEL.value}: no configs/{name}.py")
-  elif _MODEL.value.startswith("widen:"):        # widen:N:DIR (mtp_jax/widen.py)
+  elif _MODEL.value.startswith("widen:"):        # widen:N:DIR (mtp_jax/bench/widen.py)
     checks.model_dir("model", _MODEL.value.split(":", 2)[-1])
   else:
     checks.model_dir("model", _MODEL.value)
@@ -104,8 +104,8 @@ def main(argv):
     sizes = check_flags()
   except checks.FlagError as e:
     sys.exit(f"mtp-bench: error: {e}")
-  from mtp_jax import benchmark
-  from mtp_jax import checkpoint as ckpt_lib
+  from mtp_jax.bench import benchmark
+  from mtp_jax.formats import checkpoint as ckpt_lib
   mesh_flags.initialize()
   say = (lambda s: None) if _QUIET.value else (lambda s: print(s, file=sys.stderr, flush=True))
   # The roofs are probed after the runs: the accelerator's probe allocates 4 GiB, which would

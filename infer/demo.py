@@ -8,7 +8,7 @@
    drafts per step and plainly. After an untimed run each, --repeats timed runs alternate between
    the two (in swapped order every other repeat), and the speedup is the median of the paired
    time ratios. The tokens must be identical. Then the same with the model widened --widen times
-   (mtp_jax/widen.py: the same function and tokens, widen^2 times the weights): the demo's 15 MB
+   (mtp_jax/bench/widen.py: the same function and tokens, widen^2 times the weights): the demo's 15 MB
    sit in this CPU's cache, where a step of k+1 tokens costs ~2.5 plain steps, while a real
    model's step streams its weights from memory, as the widened one's does, and verifying k+1
    tokens then costs little more than one.
@@ -81,9 +81,9 @@ def _timed(dec, reqs):
 def single_stream(model: str, prompts: list[str], max_len: int, widen: int = 0):
   """-> (rows of the table, the speculative decoder, its greedy completions). widen > 1: the
   model widened that many times (benchmark.load_model's 'widen:N:DIR')."""
-  from mtp_jax import api
-  from mtp_jax import benchmark
+  from mtp_jax.bench import benchmark
   from mtp_jax.config import DecodeConfig
+  from mtp_jax.serving import api
   loaded = benchmark.load_model(f"widen:{widen}:{model}" if widen > 1 else model)
   make = lambda k: api.Decoder(*loaded, DecodeConfig(batch_size=1, k=k, max_len=max_len))
   spec, plain = make(_K.value), make(0)
@@ -114,7 +114,7 @@ def single_stream(model: str, prompts: list[str], max_len: int, widen: int = 0):
 
 
 def _job(dec, inp: str, out: str):
-  from mtp_jax import batch
+  from mtp_jax.serving import batch
   for path in (out, out + ".summary.json"):
     if os.path.exists(path):
       os.remove(path)
@@ -126,7 +126,7 @@ def _job(dec, inp: str, out: str):
 
 def batch_job(model: str, inp: str, max_len: int):
   """Plain decoding and --k=auto as batch jobs over the same input, alternating."""
-  from mtp_jax import api
+  from mtp_jax.serving import api
   os.makedirs(_OUT.value, exist_ok=True)
   n = _BATCH.value
   plain = api.Decoder.load(model, batch_size=n, k=0, max_len=max_len)
@@ -187,8 +187,8 @@ def main(argv):
     checks.output_dir("out", _OUT.value)
   except checks.FlagError as e:
     sys.exit(f"mtp-demo: error: {e}")
-  from mtp_jax import cache_dir
-  from mtp_jax import checkpoint as ckpt_lib
+  from mtp_jax.formats import cache_dir
+  from mtp_jax.formats import checkpoint as ckpt_lib
   cache_dir.enable_compilation_cache()          # a second run loads its programs, not compiles
   say(f"loading {_MODEL.value}")
   mcfg, hcfg, _, tok = ckpt_lib.load_model_dir(_MODEL.value)

@@ -12,7 +12,7 @@ import sys
 from absl import app, flags, logging
 
 from mtp_jax import config as config_lib
-from mtp_jax import hf as hf_lib
+from mtp_jax.formats import hf as hf_lib
 
 _MODEL = flags.DEFINE_string("model", None, "The mtp-jax model directory.")
 _OUTPUT = flags.DEFINE_string("output", None, "The HF directory to write.")

@@ -14,7 +14,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from mtp_jax import config as config_lib
-from mtp_jax import hf as hf_lib
+from mtp_jax.formats import hf as hf_lib
 
 _HF_MODEL = flags.DEFINE_string("hf_model", None, "HF model directory (config.json, "
                                 "model.safetensors or its index, tokenizer.json).")

@@ -4,7 +4,7 @@
             [--batch_size=auto|N] [--kv_budget_gb=G] [--temperature=T] [--top_p=P] [--top_k=K]
             [--max_new_tokens=N] [--seed=S] [--quiet]
 
-Input lines are plain requests or OpenAI batch request lines (see mtp_jax/batch.py). Rerunning
+Input lines are plain requests or OpenAI batch request lines (see mtp_jax/serving/batch.py). Rerunning
 with the same --output resumes: ids already written are skipped. Flags are checked before JAX is
 imported or the model loaded, so a bad value fails in a moment with one line naming it.
 """
@@ -90,7 +90,7 @@ def _budget_bytes(params) -> int:
 def _slots(mcfg, hcfg, dcfg, params, num_requests: int, data: int = 1) -> int:
   """Explicit --batch_size, or the most slots whose decode state fits the budget (per device;
   with a mesh, slots spread over its `data` devices, so the budget is `data` times larger)."""
-  from mtp_jax import memory
+  from mtp_jax.decoding import memory
   if _BATCH.value != "auto":
     return int(_BATCH.value)
   fit = memory.max_slots(mcfg, hcfg, dcfg, _budget_bytes(params) * data)
@@ -102,11 +102,12 @@ def _slots(mcfg, hcfg, dcfg, params, num_requests: int, data: int = 1) -> int:
 def _decoder():
   """Loads the model and builds the decoder the job's input needs."""
   import dataclasses
-  from mtp_jax import api, batch
-  from mtp_jax import checkpoint as ckpt_lib
-  from mtp_jax import shapes
+
   from mtp_jax import sharding as sharding_lib
   from mtp_jax.config import DecodeConfig
+  from mtp_jax.decoding import shapes
+  from mtp_jax.formats import checkpoint as ckpt_lib
+  from mtp_jax.serving import api, batch
   mesh_flags.initialize()
   mesh = None if mesh_flags.MESH.value is None else sharding_lib.make_mesh(mesh_flags.MESH.value)
   mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(_MODEL.value)
@@ -150,9 +151,10 @@ def main(argv):
     check_flags()
   except checks.FlagError as e:
     sys.exit(f"mtp-infer: error: {e}")
-  from mtp_jax import batch, cache_dir
-  from mtp_jax import checkpoint as ckpt_lib
-  from mtp_jax import memory
+  from mtp_jax.decoding import memory
+  from mtp_jax.formats import cache_dir
+  from mtp_jax.formats import checkpoint as ckpt_lib
+  from mtp_jax.serving import batch
   cache_dir.enable_compilation_cache()          # a second run loads its programs, not compiles
   from mtp_jax.config import ConfigError
   say = (lambda s: None) if _QUIET.value else (lambda s: print(s, file=sys.stderr, flush=True))

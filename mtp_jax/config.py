@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any, Mapping
 
 
@@ -20,7 +21,7 @@ class ConfigError(ValueError):
   """An impossible configuration value; the message names the field and the value."""
 
 
-def _fail(field: str, value: Any, why: str):
+def fail(field: str, value: Any, why: str):
   raise ConfigError(f"{field}={value!r}: {why}")
 
 
@@ -29,7 +30,7 @@ def _positive(obj, *names):
   for name in names:
     value = getattr(obj, name)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-      _fail(f"{prefix}.{name}", value, "must be an integer >= 1")
+      fail(f"{prefix}.{name}", value, "must be an integer >= 1")
 
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -76,33 +77,33 @@ class ModelConfig:
     _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
               "max_seq_len")
     if self.head_size < 0:
-      _fail("model.head_size", self.head_size, "must be >= 0 (0 = d_model / n_heads)")
+      fail("model.head_size", self.head_size, "must be >= 0 (0 = d_model / n_heads)")
     if not self.head_size and self.d_model % self.n_heads:
-      _fail("model.n_heads", self.n_heads, f"must divide model.d_model={self.d_model}")
+      fail("model.n_heads", self.n_heads, f"must divide model.d_model={self.d_model}")
     if self.n_heads % self.n_kv_heads:
-      _fail("model.n_kv_heads", self.n_kv_heads, f"must divide model.n_heads={self.n_heads}")
+      fail("model.n_kv_heads", self.n_kv_heads, f"must divide model.n_heads={self.n_heads}")
     if self.head_dim % 2:
-      _fail("model.head_size" if self.head_size else "model.n_heads",
-            self.head_size or self.n_heads, f"head dim {self.head_dim} must be even for RoPE")
+      fail("model.head_size" if self.head_size else "model.n_heads",
+           self.head_size or self.n_heads, f"head dim {self.head_dim} must be even for RoPE")
     if not self.rope_theta > 0:
-      _fail("model.rope_theta", self.rope_theta, "must be > 0")
+      fail("model.rope_theta", self.rope_theta, "must be > 0")
     if self.rope_scaling not in ROPE_SCALINGS:
-      _fail("model.rope_scaling", self.rope_scaling, f"must be one of {ROPE_SCALINGS}")
+      fail("model.rope_scaling", self.rope_scaling, f"must be one of {ROPE_SCALINGS}")
     if self.rope_scaling != "none" and not self.rope_factor >= 1.0:
-      _fail("model.rope_factor", self.rope_factor, "must be >= 1")
+      fail("model.rope_factor", self.rope_factor, "must be >= 1")
     if self.rope_scaling in ("llama3", "yarn") and self.rope_original_max_len < 1:
-      _fail("model.rope_original_max_len", self.rope_original_max_len,
-            f"must be >= 1 with model.rope_scaling={self.rope_scaling!r}")
+      fail("model.rope_original_max_len", self.rope_original_max_len,
+           f"must be >= 1 with model.rope_scaling={self.rope_scaling!r}")
     if self.rope_scaling == "llama3" and not (
         0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
-      _fail("model.rope_low_freq_factor", self.rope_low_freq_factor,
-            f"must be > 0 and < model.rope_high_freq_factor={self.rope_high_freq_factor}")
+      fail("model.rope_low_freq_factor", self.rope_low_freq_factor,
+           f"must be > 0 and < model.rope_high_freq_factor={self.rope_high_freq_factor}")
     if not 0 < self.norm_eps < 1:
-      _fail("model.norm_eps", self.norm_eps, "must be in (0, 1)")
+      fail("model.norm_eps", self.norm_eps, "must be in (0, 1)")
     if self.param_dtype not in DTYPES:
-      _fail("model.param_dtype", self.param_dtype, f"must be one of {DTYPES}")
+      fail("model.param_dtype", self.param_dtype, f"must be one of {DTYPES}")
     if self.dtype not in DTYPES + ("auto",):
-      _fail("model.dtype", self.dtype, f"must be 'auto' or one of {DTYPES}")
+      fail("model.dtype", self.dtype, f"must be 'auto' or one of {DTYPES}")
 
   @property
   def head_dim(self) -> int:
@@ -127,15 +128,15 @@ class HeadsConfig:
 
   def __post_init__(self):
     if self.kind not in HEAD_KINDS:
-      _fail("heads.kind", self.kind, f"must be one of {HEAD_KINDS}")
+      fail("heads.kind", self.kind, f"must be one of {HEAD_KINDS}")
     _positive(self, "num", "layers")
     if self.layers > 1 and self.kind != "parallel":
-      _fail("heads.layers", self.layers, "applies to parallel heads only (heads.kind='parallel')")
+      fail("heads.layers", self.layers, "applies to parallel heads only (heads.kind='parallel')")
     if self.module_d_ff < 0:
-      _fail("heads.module_d_ff", self.module_d_ff, "must be >= 0 (0 = model.d_ff)")
+      fail("heads.module_d_ff", self.module_d_ff, "must be >= 0 (0 = model.d_ff)")
     if self.module_d_ff and self.kind != "sequential":
-      _fail("heads.module_d_ff", self.module_d_ff,
-            "applies to sequential heads only (heads.kind='sequential')")
+      fail("heads.module_d_ff", self.module_d_ff,
+           "applies to sequential heads only (heads.kind='sequential')")
 
 
 MODES = ("joint", "heads_only")
@@ -163,9 +164,9 @@ class DataConfig:
   def __post_init__(self):
     _positive(self, "seq_len", "tokenizer_train_bytes")
     if not 0 <= self.heldout_permille < 1000:
-      _fail("data.heldout_permille", self.heldout_permille, "must be in [0, 1000)")
+      fail("data.heldout_permille", self.heldout_permille, "must be in [0, 1000)")
     if self.max_files < 0:
-      _fail("data.max_files", self.max_files, "must be >= 0")
+      fail("data.max_files", self.max_files, "must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,30 +196,30 @@ class TrainConfig:
 
   def __post_init__(self):
     if self.mode not in MODES:
-      _fail("train.mode", self.mode, f"must be one of {MODES}")
+      fail("train.mode", self.mode, f"must be one of {MODES}")
     _positive(self, "batch_size", "steps", "head_loss_stride", "checkpoint_every", "keep_checkpoints", "eval_every",
               "eval_batches", "log_every", "distill_prompt_len")
     if not self.lr > 0:
-      _fail("train.lr", self.lr, "must be > 0")
+      fail("train.lr", self.lr, "must be > 0")
     if self.warmup_steps < 0:
-      _fail("train.warmup_steps", self.warmup_steps, "must be >= 0")
+      fail("train.warmup_steps", self.warmup_steps, "must be >= 0")
     if not 0 <= self.min_lr_ratio <= 1:
-      _fail("train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+      fail("train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
     if self.weight_decay < 0:
-      _fail("train.weight_decay", self.weight_decay, "must be >= 0")
+      fail("train.weight_decay", self.weight_decay, "must be >= 0")
     if not self.grad_clip > 0:
-      _fail("train.grad_clip", self.grad_clip, "must be > 0")
+      fail("train.grad_clip", self.grad_clip, "must be > 0")
     if self.head_loss_weight < 0:
-      _fail("train.head_loss_weight", self.head_loss_weight, "must be >= 0")
+      fail("train.head_loss_weight", self.head_loss_weight, "must be >= 0")
     if self.distill_source not in DISTILL_SOURCES:
-      _fail("train.distill_source", self.distill_source, f"must be one of {DISTILL_SOURCES}")
+      fail("train.distill_source", self.distill_source, f"must be one of {DISTILL_SOURCES}")
     if self.distill_target not in DISTILL_TARGETS:
-      _fail("train.distill_target", self.distill_target, f"must be one of {DISTILL_TARGETS}")
+      fail("train.distill_target", self.distill_target, f"must be one of {DISTILL_TARGETS}")
     if self.save_dtype not in DTYPES:
-      _fail("train.save_dtype", self.save_dtype, f"must be one of {DTYPES}")
+      fail("train.save_dtype", self.save_dtype, f"must be one of {DTYPES}")
     if self.mode == "heads_only" and not self.init_from:
-      _fail("train.init_from", self.init_from,
-            "heads_only training needs a model directory whose trunk it keeps frozen")
+      fail("train.init_from", self.init_from,
+           "heads_only training needs a model directory whose trunk it keeps frozen")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,54 +265,55 @@ class DecodeConfig:
     _positive(self, "batch_size", "ring_size", "min_bucket", "accept_window", "probe_every",
               "prefill_rows", "adapt_every")
     if not 0.0 <= self.adapt_margin < 1.0:
-      _fail("decode.adapt_margin", self.adapt_margin, "must be in [0, 1)")
+      fail("decode.adapt_margin", self.adapt_margin, "must be in [0, 1)")
     if self.probe_every_max < self.probe_every:
-      _fail("decode.probe_every_max", self.probe_every_max,
-            f"must be >= decode.probe_every={self.probe_every}")
+      fail("decode.probe_every_max", self.probe_every_max,
+           f"must be >= decode.probe_every={self.probe_every}")
     if not 0.0 <= self.confidence_threshold < 1.0:
-      _fail("decode.confidence_threshold", self.confidence_threshold, "must be in [0, 1)")
+      fail("decode.confidence_threshold", self.confidence_threshold, "must be in [0, 1)")
     if self.max_len < 0:
-      _fail("decode.max_len", self.max_len, "must be >= 0")
+      fail("decode.max_len", self.max_len, "must be >= 0")
     if self.k < -1:
-      _fail("decode.k", self.k, "must be -1 (all heads), 0 (plain decoding) or a head count")
+      fail("decode.k", self.k, "must be -1 (all heads), 0 (plain decoding) or a head count")
     if self.drafter not in DRAFTERS:
-      _fail("decode.drafter", self.drafter, f"must be one of {DRAFTERS}")
+      fail("decode.drafter", self.drafter, f"must be one of {DRAFTERS}")
     if self.drafter != "heads" and self.k < 0:
-      _fail("decode.k", self.k, f"must be set (>= 0) with decode.drafter={self.drafter!r}")
+      fail("decode.k", self.k, f"must be set (>= 0) with decode.drafter={self.drafter!r}")
     _positive(self, "ngram_n")
     _positive(self, "attention_block")
     if self.attention not in ATTENTIONS:
-      _fail("decode.attention", self.attention, f"must be one of {ATTENTIONS}")
+      fail("decode.attention", self.attention, f"must be one of {ATTENTIONS}")
     if self.kv_dtype not in KV_DTYPES:
-      _fail("decode.kv_dtype", self.kv_dtype, f"must be one of {KV_DTYPES}")
+      fail("decode.kv_dtype", self.kv_dtype, f"must be one of {KV_DTYPES}")
 
-  def resolve(self, model: "ModelConfig", heads: "HeadsConfig") -> "DecodeConfig":
-    """Fills the defaults from a model and checks the values against it."""
-    max_len = self.max_len or model.max_seq_len
-    if max_len > model.max_seq_len:
-      _fail("decode.max_len", self.max_len, f"must be <= model.max_seq_len={model.max_seq_len}")
-    k = heads.num if self.k == -1 else self.k
-    span = k                  # inputs a step adds past the last committed token
-    if self.tree:
-      from mtp_jax import shapes  # a tree's checks live with the shapes
-      tree = shapes.decode_tree(self, heads)
-      k, span = tree.max_depth, tree.size
-    if self.adaptive_trees:   # checked here; a tree is chosen only where rows have room
-      from mtp_jax import shape_set
-      shape_set.trees_of(self, heads, k)
-    reuse = self.reuse_module or (heads.kind == "sequential" and heads.num == 1 and k > 1
-                                  and self.drafter == "heads")   # one module: the only way
-    if self.reuse_module and (heads.kind != "sequential" or self.drafter != "heads"):
-      _fail("decode.reuse_module", True, "needs sequential heads (heads.kind='sequential') "
-            "drafting (decode.drafter='heads')")
-    if k > heads.num and self.drafter == "heads" and not reuse:
-      _fail("decode.k", self.k, f"must be <= heads.num={heads.num}"
-            + (" (or set decode.reuse_module)" if heads.kind == "sequential" else ""))
-    if max_len <= span + 1:
-      _fail("decode.max_len", max_len, f"must be > {'tree nodes' if self.tree else 'k'} + 1 = "
-            f"{span + 1}")
-    return dataclasses.replace(self, max_len=max_len, k=k, reuse_module=reuse,
-                               prefill_rows=min(self.prefill_rows, self.batch_size))
+
+AXES = ("data", "model")
+
+
+def parse_shape(spec: str) -> dict[str, int]:
+  """'data:2,model:4' -> {'data': 2, 'model': 4}; '' -> every device on 'data'. -1 fills in."""
+  out = {"data": -1, "model": 1} if not spec.strip() else {"data": 1, "model": 1}
+  for part in filter(None, (p.strip() for p in spec.split(","))):
+    m = re.fullmatch(r"(\w+):(-?\d+)", part)
+    if not m or m.group(1) not in AXES:
+      raise ConfigError(f"mesh={spec!r}: each entry must be AXIS:SIZE with AXIS in {AXES}")
+    size = int(m.group(2))
+    if size == 0 or size < -1:
+      raise ConfigError(f"mesh={spec!r}: {m.group(1)} size must be >= 1 (or -1: the rest)")
+    out[m.group(1)] = size
+  return out
+
+
+def parse_rules(rules: str) -> dict[str, str | None]:
+  out = {}
+  for part in filter(None, (p.strip() for p in rules.split(","))):
+    name, _, axis = part.partition("=")
+    axis = axis.strip() or None
+    if axis is not None and axis not in AXES:
+      raise ConfigError(f"mesh.rules: {name}={axis!r}: the mesh axis must be one of {AXES} or "
+                        "empty (replicated)")
+    out[name.strip()] = axis
+  return out
 
 
 DEFAULT_RULES = ("batch=data,vocab=model,embed=,mlp=model,heads=model,kv_heads=model,"
@@ -326,9 +328,8 @@ class MeshConfig:
   rules: str = DEFAULT_RULES        # logical=axis pairs; an empty axis replicates
 
   def __post_init__(self):
-    from mtp_jax import sharding  # parsing lives with the mesh code
-    sharding.parse_shape(self.shape)
-    sharding.parse_rules(self.rules)
+    parse_shape(self.shape)
+    parse_rules(self.rules)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,12 +343,12 @@ class Config:
   def __post_init__(self):
     # The trunk runs on seq_len + K positions so that every head has targets.
     if self.data.seq_len + self.heads.num > self.model.max_seq_len:
-      _fail("data.seq_len", self.data.seq_len,
-            f"plus heads.num={self.heads.num} must be <= model.max_seq_len={self.model.max_seq_len}")
+      fail("data.seq_len", self.data.seq_len,
+           f"plus heads.num={self.heads.num} must be <= model.max_seq_len={self.model.max_seq_len}")
     if self.train.mode == "heads_only" and self.train.distill_source == "generated":
       if self.train.distill_prompt_len >= self.data.seq_len:
-        _fail("train.distill_prompt_len", self.train.distill_prompt_len,
-              f"must be < data.seq_len={self.data.seq_len}")
+        fail("train.distill_prompt_len", self.train.distill_prompt_len,
+             f"must be < data.seq_len={self.data.seq_len}")
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "Config":

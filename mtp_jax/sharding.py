@@ -24,27 +24,13 @@ import re
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from mtp_jax.config import ConfigError
+from mtp_jax.config import AXES, ConfigError, parse_rules, parse_shape  # noqa: F401 (re-exported)
 
-AXES = ("data", "model")
 LETTERS = {"V": "vocab", "D": "embed", "E": "embed", "F": "mlp", "N": "heads", "G": "kv_heads",
            "H": "head_dim", "K": "heads_stack", "L": "layers_stack"}
-
-
-def parse_shape(spec: str) -> dict[str, int]:
-  """'data:2,model:4' -> {'data': 2, 'model': 4}; '' -> every device on 'data'. -1 fills in."""
-  out = {"data": -1, "model": 1} if not spec.strip() else {"data": 1, "model": 1}
-  for part in filter(None, (p.strip() for p in spec.split(","))):
-    m = re.fullmatch(r"(\w+):(-?\d+)", part)
-    if not m or m.group(1) not in AXES:
-      raise ConfigError(f"mesh={spec!r}: each entry must be AXIS:SIZE with AXIS in {AXES}")
-    size = int(m.group(2))
-    if size == 0 or size < -1:
-      raise ConfigError(f"mesh={spec!r}: {m.group(1)} size must be >= 1 (or -1: the rest)")
-    out[m.group(1)] = size
-  return out
 
 
 def make_mesh(spec: str = "", devices=None) -> Mesh:
@@ -65,18 +51,6 @@ def make_mesh(spec: str = "", devices=None) -> Mesh:
                       f"{len(devices)} are visible")
   arr = np.asarray(devices, dtype=object).reshape(shape["data"], shape["model"])
   return Mesh(arr, AXES)
-
-
-def parse_rules(rules: str) -> dict[str, str | None]:
-  out = {}
-  for part in filter(None, (p.strip() for p in rules.split(","))):
-    name, _, axis = part.partition("=")
-    axis = axis.strip() or None
-    if axis is not None and axis not in AXES:
-      raise ConfigError(f"mesh.rules: {name}={axis!r}: the mesh axis must be one of {AXES} or "
-                        "empty (replicated)")
-    out[name.strip()] = axis
-  return out
 
 
 def logical_axes(name: str, ndim: int) -> tuple[str | None, ...]:

@@ -10,7 +10,7 @@ import pytest
 
 from configs import tiny
 from mtp_jax import config as config_lib
-from mtp_jax import train_lib
+from mtp_jax.training import trainer as train_lib
 
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
 # What mtp-jax keeps between runs (cost tables, stored acceptance, compiled programs: cache_dir)

@@ -14,13 +14,13 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import tiny  # noqa: E402
-from mtp_jax import api  # noqa: E402
-from mtp_jax import checkpoint as ckpt_lib  # noqa: E402
 from mtp_jax import config as config_lib  # noqa: E402
-from mtp_jax import model as model_lib  # noqa: E402
 from mtp_jax import sharding as S  # noqa: E402
-from mtp_jax import train_lib  # noqa: E402
 from mtp_jax.config import DecodeConfig  # noqa: E402
+from mtp_jax.formats import checkpoint as ckpt_lib  # noqa: E402
+from mtp_jax.models import model as model_lib  # noqa: E402
+from mtp_jax.serving import api  # noqa: E402
+from mtp_jax.training import trainer as train_lib  # noqa: E402
 
 # model:8 does not divide the tiny config's 4 heads (they would be replicated): model:4 instead.
 MESHES = ["data:8", "model:4", "data:2,model:4"]

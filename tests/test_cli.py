@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT
+
 MODEL = os.path.join(ROOT, "pretrained", "demo")
 PROMPTS = os.path.join(ROOT, "infer", "demo_prompts.jsonl")
 
@@ -130,6 +131,7 @@ def test_train_unwritable_workdir(tmp_path):
 
 def test_progress_plain_lines_off_a_terminal_and_nothing_when_quiet():
   import io
+
   from infer.progress import Progress
   out = io.StringIO()
   bar = Progress(4, "rows", desc="mtp-infer", every_s=3600, stream=out)

@@ -10,8 +10,7 @@ import pytest
 
 from mtp_jax import config as config_lib
 from mtp_jax import sharding as S
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT
 
 
 def test_mesh_spec_and_rules():

@@ -4,9 +4,8 @@ import os
 import subprocess
 import sys
 
-from mtp_jax import checkpoint as C
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from mtp_jax.formats import checkpoint as C
+from tests.helpers import ROOT
 
 
 def test_cli_trains_tiny_and_writes_a_model_dir(tmp_path):

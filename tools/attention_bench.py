@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mtp_jax import cache as kv  # noqa: E402
-from mtp_jax import checkpoint as ckpt_lib  # noqa: E402
-from mtp_jax import model as M  # noqa: E402
+from mtp_jax.formats import checkpoint as ckpt_lib  # noqa: E402
+from mtp_jax.models import cache as kv  # noqa: E402
+from mtp_jax.models import model as M  # noqa: E402
 
 LIVE = 96
 

@@ -26,9 +26,9 @@
 # the H200 a plain batch-1 step took 0.83 ms where its weights take ~0.2 ms to read, the host
 # launching each iteration's kernels (docs/accelerators.md).
 # The bench model: `widen:8:pretrained/demo`, the demo widened 8x by a function-preserving
-# expansion (mtp_jax/widen.py): d_model 2048, d_ff 5120, 64 heads / 16 kv heads, vocab 4096, its
-# 3 heads: 197M parameters. It decodes the demo's tokens, so its acceptance is the demo's real
-# one, while a batch-1 step reads its weights (0.79 GB in f32 storage, ~0.2 ms at the H200's
+# expansion (mtp_jax/bench/widen.py): d_model 2048, d_ff 5120, 64 heads / 16 kv heads, vocab
+# 4096, its 3 heads: 197M parameters. It decodes the demo's tokens, so its acceptance is the
+# demo's real one, while a batch-1 step reads its weights (0.79 GB in f32 storage, ~0.2 ms at the H200's
 # ~4.3 TB/s) for ~0.4 GFLOP (~1 us of its ~790 TFLOP/s): memory bound, as a real model's batch-1
 # step is. Few, wide layers keep XLA's compile time (per engine: 7 modes per batch size) inside
 # the bench's limit. Training (after the bench, so that a slow compile there cuts training, not
@@ -76,7 +76,7 @@ if [[ $SMOKE == 1 ]]; then
   DISTILL_FLAGS=(--config.train.steps=4 --config.train.batch_size=4 --config.train.log_every=2
                  --config.train.eval_every=100 --config.train.checkpoint_every=100
                  --config.train.eval_batches=1 --config.train.distill_prompt_len=16)
-  TESTS=(tests/test_sampling.py)      # the engine / adaptive tests take minutes on 2 cores
+  TESTS=(tests/decoding/test_sampling.py)      # the engine / adaptive tests take minutes on 2 cores
   BENCH_MODEL="${BENCH_MODEL:-widen:1:$REPO/pretrained/demo}"
   BATCHES="${BATCHES:-1,2}"
   # Fewer compiles: XLA:CPU takes 10-50 s per engine here, adaptive's calibration 1-2 minutes.
@@ -101,7 +101,8 @@ else
                  --config.train.eval_every=100000 --config.train.checkpoint_every=100000
                  --config.train.log_every=20 --config.train.save_dtype=bfloat16)
   # The bf16 measurement and sampling first: a cut run keeps them.
-  TESTS=(tests/test_bf16.py tests/test_sampling.py tests/test_engine.py tests/test_adaptive.py)
+  TESTS=(tests/decoding/test_bf16.py tests/decoding/test_sampling.py tests/decoding/test_engine.py
+         tests/decoding/test_adaptive.py)
   BENCH_MODEL="${BENCH_MODEL:-widen:8:$REPO/pretrained/demo}"
   BATCHES="${BATCHES:-1,64}"
   BENCH_FLAGS=(--max_new_tokens=128 --prompt_tokens=64 --repeats=5)
@@ -162,7 +163,7 @@ for b in ${BATCHES//,/ }; do
 done
 $PY - "$OUT" "$WORK" "$BENCH_MODEL" "$MODES,$LARGE_MODES,$AUTO_MODES" <<'EOF'
 import dataclasses, glob, json, sys
-from mtp_jax import benchmark
+from mtp_jax.bench import benchmark
 out, work, model, modes = sys.argv[1:]
 results, machine = [], {}
 names = {f.name for f in dataclasses.fields(benchmark.Result)}

@@ -17,11 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mtp_jax import api, benchmark  # noqa: E402
-from mtp_jax import cache as kv  # noqa: E402
-from mtp_jax import checkpoint as ckpt_lib  # noqa: E402
-from mtp_jax import model as M  # noqa: E402
+from mtp_jax.bench import benchmark  # noqa: E402
 from mtp_jax.config import DecodeConfig  # noqa: E402
+from mtp_jax.formats import checkpoint as ckpt_lib  # noqa: E402
+from mtp_jax.models import cache as kv  # noqa: E402
+from mtp_jax.models import model as M  # noqa: E402
+from mtp_jax.serving import api  # noqa: E402
 
 N_PROMPTS, NEW, PIECES, PIECE = 48, 128, 16, 512
 

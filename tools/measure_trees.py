@@ -18,12 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mtp_jax import checkpoint as ckpt_lib  # noqa: E402
-from mtp_jax import generate as gen_lib  # noqa: E402
-from mtp_jax import losses  # noqa: E402
-from mtp_jax import model as M  # noqa: E402
-from mtp_jax import shapes  # noqa: E402
-from mtp_jax.prompts import heldout_prompts  # noqa: E402
+from mtp_jax.bench.prompts import heldout_prompts  # noqa: E402
+from mtp_jax.decoding import shapes  # noqa: E402
+from mtp_jax.formats import checkpoint as ckpt_lib  # noqa: E402
+from mtp_jax.models import model as M  # noqa: E402
+from mtp_jax.training import generate as gen_lib  # noqa: E402
+from mtp_jax.training import losses  # noqa: E402
 
 PROMPT, NEW, BATCH = 64, 128, 16
 

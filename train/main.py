@@ -74,9 +74,9 @@ def main(argv):
     d["train"]["mode"] = _MODE.value
   if mesh_flags.MESH.value is not None:
     d["mesh"]["shape"] = mesh_flags.MESH.value
-  from mtp_jax import cache_dir
   from mtp_jax import config as config_lib
-  from mtp_jax import train_lib
+  from mtp_jax.formats import cache_dir
+  from mtp_jax.training import trainer as train_lib
   cache_dir.enable_compilation_cache()          # a rerun or a resume loads its programs
   log, progress, bar = _logger(_QUIET.value)
   try:

@@ -1,0 +1,110 @@
+"""Multi-token-prediction heads.
+
+Head i (i = 1..K) maps the trunk's final hidden state h_t to a prediction of token t+1+i (the
+trunk itself predicts t+1). Every kind exposes the same interface: `heads(h_BTD) -> [B, T, K, D]`
+hidden states that go through the trunk's shared unembedding in one matmul.
+
+'parallel' (Medusa / Gloeckle et al.): h + SiLU(h W_i + b_i), all K heads as one stacked weight
+[K, D, D] and one einsum. W is initialised to zero, so every head starts as the identity, i.e. as a
+copy of the trunk's next-token prediction, and training moves it one token further each. With
+heads.layers = L > 1 each head stacks L such residual layers (Medusa's num_layers).
+
+'sequential' (DeepSeek-V3 MTP modules): module i at position t computes
+  x = W_h norm(h^{i-1}_t) + W_e norm(embed(token_{t+i}))      (= proj([norm(h); norm(e)]), 2D -> D)
+  h^i_t = Block(x)  (attention over module i's own sequence + MLP),
+and predicts token t+1+i through out_norm and the trunk's shared unembedding; h^0 is the trunk's
+final hidden state. Module i runs at rotary position t + i (the position of its input token; only
+relative positions matter), which is also where the decode engine keeps its K/V. W_h starts as the
+identity and W_e at zero, so a fresh module starts close to the trunk's next-token prediction.
+heads.module_d_ff narrows the blocks' MLP (a lighter module; the trunk's width by default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp_jax.config import HeadsConfig, ModelConfig
+from mtp_jax.models.layers import Block, RMSNorm
+
+
+class ParallelHeads(nnx.Module):
+  def __init__(self, cfg: ModelConfig, heads_cfg: HeadsConfig, rngs: nnx.Rngs):
+    pd = jnp.dtype(cfg.param_dtype)
+    k, d = heads_cfg.num, cfg.d_model
+    self.w_KDE = nnx.Param(jnp.zeros((k, d, d), pd))
+    self.b_KE = nnx.Param(jnp.zeros((k, d), pd))
+    self.extra = heads_cfg.layers - 1
+    if self.extra:                      # layers 2..L of every head
+      self.wx_KLDE = nnx.Param(jnp.zeros((k, self.extra, d, d), pd))
+      self.bx_KLE = nnx.Param(jnp.zeros((k, self.extra, d), pd))
+
+  def __call__(self, h_BTD, n: int | None = None):
+    """-> [B, T, n, D]: the first n heads (default all; a decode step that drafts fewer than
+    K tokens computes only those)."""
+    dt = h_BTD.dtype
+    n = self.w_KDE.shape[0] if n is None else n
+    # A product per head: one contraction over [n, D, E] makes XLA:CPU copy the heads' weights
+    # to [D, n, E], every step.
+    z = (jnp.stack([h_BTD @ self.w_KDE[i].astype(dt) for i in range(n)], 2)
+         + self.b_KE[:n].astype(dt))
+    x = h_BTD[:, :, None, :] + jax.nn.silu(z)
+    for l in range(self.extra):
+      z = (jnp.einsum("BTKD,KDE->BTKE", x, self.wx_KLDE[:n, l].astype(dt))
+           + self.bx_KLE[:n, l].astype(dt))
+      x = x + jax.nn.silu(z)
+    return x
+
+
+class MTPModule(nnx.Module):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int = 0):
+    """d_ff: the block's MLP width (0 = the trunk's)."""
+    pd = jnp.dtype(cfg.param_dtype)
+    d = cfg.d_model
+    self.h_norm = RMSNorm(d, cfg.norm_eps, pd)
+    self.e_norm = RMSNorm(d, cfg.norm_eps, pd)
+    self.wh_DE = nnx.Param(jnp.eye(d, dtype=pd))
+    self.we_DE = nnx.Param(jnp.zeros((d, d), pd))
+    self.block = Block(dataclasses.replace(cfg, d_ff=d_ff or cfg.d_ff), rngs)
+    self.out_norm = RMSNorm(d, cfg.norm_eps, pd)
+
+  def __call__(self, h_BTD, e_BTD, pos_BT, cache_kv=None, key_limit_B=None, key_min: int = 0):
+    """-> (h^i before out_norm: the next module's input, h^i after it: for the unembedding,
+    the updated (k, v) of this module's cache). key_min: module i's cache starts at input
+    position i (trunk position 0)."""
+    dt = h_BTD.dtype
+    x = (jnp.einsum("BTD,DE->BTE", self.h_norm(h_BTD), self.wh_DE[...].astype(dt))
+         + jnp.einsum("BTD,DE->BTE", self.e_norm(e_BTD.astype(dt)), self.we_DE[...].astype(dt)))
+    y, cache_kv = self.block(x, pos_BT, cache_kv, key_limit_B, key_min)
+    return y, self.out_norm(y), cache_kv
+
+
+class SequentialHeads(nnx.Module):
+  def __init__(self, cfg: ModelConfig, heads_cfg: HeadsConfig, rngs: nnx.Rngs):
+    self.modules = nnx.List([MTPModule(cfg, rngs, heads_cfg.module_d_ff)
+                             for _ in range(heads_cfg.num)])
+
+  def __call__(self, h_BTD, tokens_BW, embed):
+    """Training / full recomputation: every module over the whole sequence -> [B, T, K, D]."""
+    b, t, _ = h_BTD.shape
+    k = len(self.modules)
+    need = t + k
+    if tokens_BW.shape[1] < need:
+      tokens_BW = jnp.pad(tokens_BW, ((0, 0), (0, need - tokens_BW.shape[1])))
+    outs, h = [], h_BTD
+    for i, module in enumerate(self.modules, start=1):
+      pos = jnp.broadcast_to(jnp.arange(t) + i, (b, t))
+      h, hn, _ = module(h, embed(tokens_BW[:, i: i + t]), pos)
+      outs.append(hn)
+    return jnp.stack(outs, axis=2)
+
+
+def make_heads(cfg: ModelConfig, heads_cfg: HeadsConfig, rngs: nnx.Rngs) -> nnx.Module:
+  if heads_cfg.kind == "parallel":
+    return ParallelHeads(cfg, heads_cfg, rngs)
+  if heads_cfg.kind == "sequential":
+    return SequentialHeads(cfg, heads_cfg, rngs)
+  raise ValueError(f"heads.kind={heads_cfg.kind!r}: not implemented")

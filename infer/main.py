@@ -53,6 +53,9 @@ _KV_DTYPE = flags.DEFINE_enum("kv_dtype", "auto",
                               "KV cache storage (auto: the compute dtype); int8 fits more slots "
                               "in --kv_budget_gb.")
 _QUIET = flags.DEFINE_bool("quiet", False, "No progress on stderr.")
+_CHAT_TEMPLATE = flags.DEFINE_string(
+    "chat_template", None, "A Jinja2 chat template file for the input's chat lines, in place of "
+    "the model's own (chat_template.jinja in the model directory, kept by mtp-import).")
 flags.mark_flags_as_required(["model", "input", "output"])
 
 
@@ -61,6 +64,8 @@ def check_flags():
   bad one."""
   checks.model_dir("model", _MODEL.value)
   checks.input_file("input", _INPUT.value)
+  if _CHAT_TEMPLATE.value is not None:
+    checks.input_file("chat_template", _CHAT_TEMPLATE.value)
   checks.output_file("output", _OUTPUT.value)
   if _COSTS.value:
     checks.output_file("cost_table", _COSTS.value)
@@ -106,11 +111,15 @@ def _decoder():
   from mtp_jax import sharding as sharding_lib
   from mtp_jax.config import DecodeConfig
   from mtp_jax.decoding import shapes
+  from mtp_jax.formats import chat
   from mtp_jax.formats import checkpoint as ckpt_lib
   from mtp_jax.serving import api, batch
   mesh_flags.initialize()
   mesh = None if mesh_flags.MESH.value is None else sharding_lib.make_mesh(mesh_flags.MESH.value)
   mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(_MODEL.value)
+  if _CHAT_TEMPLATE.value:
+    with open(_CHAT_TEMPLATE.value, encoding="utf-8") as f:
+      tok.chat_template = chat.check_template(f.read(), _CHAT_TEMPLATE.value)
   budget = shapes.tree_budget(_K.value)
   tree = None if budget is None else shapes.tree_for(budget, hcfg.num, _MODEL.value)
   k = -1 if tree is not None else _K.value if _K.value == "auto" else int(_K.value)

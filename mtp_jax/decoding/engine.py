@@ -15,6 +15,7 @@ max_new_tokens, or when the cache is full.
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -44,15 +45,18 @@ class Engine:
   """
 
   def __init__(self, model_cfg: ModelConfig, heads_cfg: HeadsConfig, decode_cfg: DecodeConfig,
-               eod_id: int, draft_model: tuple[ModelConfig, HeadsConfig] | None = None,
+               eod_id: int | Sequence[int],
+               draft_model: tuple[ModelConfig, HeadsConfig] | None = None,
                mesh: jax.sharding.Mesh | None = None):
     """draft_model: the (model, heads) configs of the draft model when decode_cfg.drafter is
     'model'; params are then (target params, draft params). mesh: the decode state is sharded
     on it (slots on 'data', KV heads on 'model'; see sharding.py) and stays so across calls;
-    params are expected on the same mesh (Decoder places them)."""
+    params are expected on the same mesh (Decoder places them). eod_id: the token that ends a
+    row, or several (Tokenizer.end_ids: end of document first, then an end-of-turn token)."""
     self.model_cfg, self.heads_cfg = model_cfg, heads_cfg
     self.cfg = shape_set.resolve(decode_cfg, model_cfg, heads_cfg)
-    self.eod_id = eod_id
+    self.end_ids = tuple(int(i) for i in np.atleast_1d(eod_id))
+    self.eod_id = self.end_ids[0]
     self.graphdef, _ = model_lib.abstract(model_cfg, heads_cfg)
     if (self.cfg.drafter == "model") != (draft_model is not None):
       raise ValueError("a draft model is needed exactly when decode.drafter='model'")
@@ -84,7 +88,7 @@ class Engine:
                                       None if draft_model is None else draft_model[0],
                                       top_r=self.top_r)
     self.step_cfg = step_lib.StepConfig(
-        kd=self.kd, eod_id=eod_id, vocab_size=model_cfg.vocab_size,
+        kd=self.kd, end_ids=self.end_ids, vocab_size=model_cfg.vocab_size,
         conf_threshold=self.cfg.confidence_threshold, adaptive=self.cfg.adaptive)
     self.mesh = mesh
     self.state_sharding = None

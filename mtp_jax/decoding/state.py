@@ -172,7 +172,7 @@ def insert(eng, prefix: Prefix, state: DecodeState, slots, max_new, temperature,
   row_tokens = row_tokens.at[jnp.arange(n), prefix.length].set(prefix.first)
   length = prefix.length + 1
   stop_len = jnp.minimum(prefix.length + max_new, s - eng.span - 1)
-  done = (length >= stop_len) | (prefix.first == eng.eod_id)
+  done = (length >= stop_len) | jnp.isin(prefix.first, jnp.asarray(eng.end_ids))
   z = jnp.zeros((n,), jnp.int32)
   r = state.rows
   rows_ = Rows(tokens=r.tokens.at[slots].set(row_tokens), length=r.length.at[slots].set(length),

@@ -30,7 +30,7 @@ from mtp_jax.decoding.state import Caches, DecodeState, Drafts, Record
 class StepConfig:
   """The static facts a step reads (hashable: part of the compiled program)."""
   kd: int                   # drafts kept in the state (K_max)
-  eod_id: int
+  end_ids: tuple[int, ...]  # the tokens that end a row (end of document, end of turn)
   vocab_size: int
   conf_threshold: float     # > 0: a row verifies its drafts before the first doubtful one
   adaptive: bool            # an adaptive engine: rows verify only fresh drafts; a controller
@@ -191,11 +191,11 @@ def _tree_pass(sc, m, state, tree: Tree, last_B, k_verify, sp, sample: bool, lim
 
 
 def _commit(sc, rows, n, out_BT, k: int):
-  """Writes each active row's emitted tokens (up to the end-of-document token and its stop
+  """Writes each active row's emitted tokens (up to the first end token and its stop
   length) and advances its length. -> (rows, tokens emitted [B])."""
   active, length = ~rows.done, rows.length
   idx = jnp.arange(k + 1)[None]
-  eod_at = jnp.min(jnp.where(out_BT == sc.eod_id, idx, k + 1), axis=1)
+  eod_at = jnp.min(jnp.where(jnp.isin(out_BT, jnp.asarray(sc.end_ids)), idx, k + 1), axis=1)
   n_emit = jnp.minimum(jnp.minimum(n + 1, eod_at + 1), rows.stop_len - length)
   n_emit = jnp.where(active, n_emit, 0)
   write = jax.vmap(lambda row, new, start: jax.lax.dynamic_update_slice(row, new, (start,)))

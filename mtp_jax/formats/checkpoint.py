@@ -17,6 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from mtp_jax import config as config_lib
+from mtp_jax.formats import chat
 from mtp_jax.formats.tokenizer import Tokenizer
 from mtp_jax.models import model as model_lib
 
@@ -86,6 +87,9 @@ def save_model_dir(path: str, cfg: config_lib.Config, params, tokenizer: Tokeniz
   with open(os.path.join(tmp, "config.json"), "w") as f:
     json.dump(meta, f, indent=2)
   tokenizer.save(os.path.join(tmp, "tokenizer.json"))
+  if tokenizer.chat_template:
+    with open(os.path.join(tmp, chat.TEMPLATE_FILE), "w", encoding="utf-8") as f:
+      f.write(tokenizer.chat_template)
   ckptr = ocp.StandardCheckpointer()
   ckptr.save(os.path.join(tmp, "params"), _cast(params, jnp.dtype(dtype)))
   ckptr.wait_until_finished()
@@ -170,6 +174,10 @@ def read_meta(path: str) -> dict:
 def load_tokenizer(path: str) -> Tokenizer:
   """The tokenizer of a model directory, with the special tokens its config.json names."""
   special = read_meta(path).get("tokenizer", {})
+  template_path = os.path.join(os.path.abspath(path), chat.TEMPLATE_FILE)
+  if os.path.exists(template_path):
+    with open(template_path, encoding="utf-8") as f:
+      special = dict(special, chat_template=f.read())
   try:
     return Tokenizer.load(os.path.join(os.path.abspath(path), "tokenizer.json"), **special)
   except (ValueError, TypeError) as e:

@@ -8,9 +8,12 @@ by `save_pretrained(safe_serialization=True)`: `config.json`, `model.safetensors
 Which configs map onto the trunk, and the refusals naming the field: `hf_config.py`. This file
 holds the weights: HF names <-> trunk parameters, reading and writing safetensors, the heads file.
 
-Export writes the trunk back under HF names (`model.safetensors`, `config.json`,
-`tokenizer.json`; loadable by transformers) and the heads to `mtp_heads.safetensors`, which an
-import of that directory picks up again.
+An instruct model's chat template and special tokens (`tokenizer_config.json` or
+`chat_template.jinja`) and the tokens that end its generations (`generation_config.json`'s
+eos_token_id) travel with it (chat.py). Export writes the trunk back under HF names
+(`model.safetensors`, `config.json`, `tokenizer.json`, `tokenizer_config.json`,
+`generation_config.json`; loadable by transformers) and the heads to `mtp_heads.safetensors`,
+which an import of that directory picks up again.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import numpy as np
 
 from mtp_jax import config as config_lib
 from mtp_jax.config import Config, HeadsConfig, ModelConfig
+from mtp_jax.formats import chat
 from mtp_jax.formats import checkpoint as ckpt_lib
 from mtp_jax.formats.hf_config import (
   HFImportError,
@@ -161,21 +165,28 @@ def _empty_like(tree):
   return None
 
 
-def _eod_token(hf_dir: str, hf: dict, raw, override: str) -> str:
-  if override:
-    return override
-  eos, source = hf.get("eos_token_id"), "config.json"
-  gen = os.path.join(hf_dir, "generation_config.json")
-  if eos is None and os.path.exists(gen):
-    with open(gen) as f:
-      eos, source = json.load(f).get("eos_token_id"), "generation_config.json"
-  if isinstance(eos, list):
-    eos = eos[0] if eos else None
-  token = raw.id_to_token(eos) if isinstance(eos, int) else None
-  if token is None:
-    raise HFImportError(f"{source}: eos_token_id={eos!r} names no token of tokenizer.json; "
-                        "pass --eod_token=TOKEN")
-  return token
+def _end_tokens(hf_dir: str, hf: dict, raw, override: str, chat_tokens: dict):
+  """-> (the end-of-document token, the further tokens that end a generation). The first comes
+  from config.json's eos_token_id (else generation_config.json's); the others are every
+  eos_token_id of config.json and generation_config.json (an instruct model lists its end-of-turn
+  token there, as Llama 3's <|eot_id|>) and tokenizer_config.json's eos_token (Qwen2's
+  <|im_end|>), as transformers' generate and vLLM stop on them all."""
+  gen_path = os.path.join(hf_dir, "generation_config.json")
+  gen = {}
+  if os.path.exists(gen_path):
+    with open(gen_path) as f:
+      gen = json.load(f)
+  as_list = lambda v: v if isinstance(v, list) else [] if v is None else [v]
+  ids = as_list(hf.get("eos_token_id")) + as_list(gen.get("eos_token_id"))
+  tokens = [raw.id_to_token(i) if isinstance(i, int) else None for i in ids]
+  tokens.append(chat_tokens.get("eos_token"))
+  eod = override or tokens[0]
+  if eod is None:
+    source = "config.json" if hf.get("eos_token_id") is not None else "generation_config.json"
+    raise HFImportError(f"{source}: eos_token_id={ids[0] if ids else None!r} names no token of "
+                        "tokenizer.json; pass --eod_token=TOKEN")
+  stops = [t for t in tokens if t is not None and t != eod and raw.token_to_id(t) is not None]
+  return eod, tuple(dict.fromkeys(stops))
 
 
 def import_model(hf_dir: str, out_dir: str, heads_cfg: HeadsConfig, max_seq_len: int = 0,
@@ -191,8 +202,11 @@ def import_model(hf_dir: str, out_dir: str, heads_cfg: HeadsConfig, max_seq_len:
   try:
     from tokenizers import Tokenizer as HFTokenizer
     raw = HFTokenizer.from_file(tok_path)
-    tok = Tokenizer(raw, tok_path, eod_token=_eod_token(hf_dir, hf, raw, eod_token))
-  except ValueError as e:
+    template, chat_tokens = chat.read_hf(hf_dir)
+    eod, stops = _end_tokens(hf_dir, hf, raw, eod_token, chat_tokens)
+    tok = Tokenizer(raw, tok_path, eod_token=eod, stop_tokens=stops, chat_tokens=chat_tokens,
+                    chat_template=template)
+  except (ValueError, chat.ChatError) as e:
     raise HFImportError(str(e)) from None
   except Exception as e:  # tokenizers raises a bare Exception on bad JSON
     raise HFImportError(f"{tok_path}: not a valid tokenizer.json ({e})") from None
@@ -278,8 +292,16 @@ def export_model(model_dir: str, out_dir: str) -> list[str]:
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(hf, f, indent=2)
   shutil.copy(os.path.join(model_dir, "tokenizer.json"), os.path.join(out_dir, "tokenizer.json"))
+  files = ["model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"]
+  with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+    json.dump(chat.hf_tokenizer_config(tok.chat_template, tok.chat_tokens, tok.eod_token,
+                                       tok.pad_token), f, indent=2, ensure_ascii=False)
+  if tok.stop_tokens:           # every token that ends a generation, as transformers reads them
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+      json.dump({"eos_token_id": list(tok.end_ids)}, f, indent=2)
+    files.append("generation_config.json")
   heads = {"heads." + k.replace("/", "."): np.ascontiguousarray(np.asarray(v))
            for k, v in ckpt_lib._flat(params["heads"])}
   save_file(heads, os.path.join(out_dir, HEADS_FILE),
             metadata={"format": "mtp-jax", "heads": json.dumps(dataclasses.asdict(hcfg))})
-  return ["model.safetensors", "config.json", "tokenizer.json", HEADS_FILE]
+  return files + [HEADS_FILE]

@@ -68,7 +68,7 @@ class Decoder:
       self.params = jax.device_put(self.params,
                                    sharding_lib.tree_shardings(self.params, mesh, parsed))
     draft_cfgs = None if draft is None else draft[:2]
-    self.engine = engine_lib.Engine(model_cfg, heads_cfg, decode_cfg, tokenizer.eod_id,
+    self.engine = engine_lib.Engine(model_cfg, heads_cfg, decode_cfg, tokenizer.end_ids,
                                     draft_cfgs, mesh=mesh)
     # Adaptive k hands a run its controller can never take off plain decoding to a plain
     # engine of the same slots (Engine.stays_plain): plain decoding's own program, not the
@@ -76,7 +76,7 @@ class Decoder:
     self.plain = (engine_lib.Engine(model_cfg, heads_cfg,
                                     dataclasses.replace(decode_cfg, adaptive=False, k=0,
                                                         adaptive_trees=(), tree_rates=()),
-                                    tokenizer.eod_id, draft_cfgs, mesh=mesh)
+                                    tokenizer.end_ids, draft_cfgs, mesh=mesh)
                   if decode_cfg.adaptive else None)
     if self.plain is not None:      # one copy of a tied unembedding for both
       self.plain.unembed = self.engine.unembed
@@ -157,6 +157,18 @@ class Decoder:
             for i, p in enumerate(prompts)]
     return self.run(reqs)
 
+  def chat(self, conversations: Sequence[list[dict]], max_new_tokens: int = 128,
+           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+           repetition_penalty: float = 1.0, stop: Sequence[str] = (),
+           seed: int | None = None) -> list[Completion]:
+    """generate for conversations (OpenAI-style messages), each rendered with the model's chat
+    template and a generation prompt; a row ends at the end-of-turn token. Completion.text is the
+    assistant's answer. Raises chat.ChatError for a conversation that cannot be rendered."""
+    reqs = [Request(self.tokenizer.encode_chat(m), max_new_tokens, temperature, top_k, top_p,
+                    repetition_penalty, tuple(stop), None if seed is None else seed + i)
+            for i, m in enumerate(conversations)]
+    return self.run(reqs)
+
   def run(self, requests: Sequence[Request], on_done=None) -> list[Completion]:
     """Decodes every request; results in request order. `on_done(index, completion)` is called
     as each request finishes (in finishing order), for streaming output.
@@ -224,11 +236,11 @@ class Decoder:
     return state
 
   def _finish(self, req: Request, ids: list[int], steps: int) -> Completion:
-    eod = self.tokenizer.eod_id
     reason = "length"
     emitted = len(ids) - 1                               # tokens from decode steps
-    if eod in ids:
-      ids, reason = ids[: ids.index(eod)], "stop"
+    ends = [i for i, t in enumerate(ids) if t in self.tokenizer.end_ids]
+    if ends:
+      ids, reason = ids[: ends[0]], "stop"
     text = self.tokenizer.decode(ids)
     cut, stop = _find_stop(text, req.stop)
     if cut >= 0:

@@ -3,17 +3,17 @@
 Two input forms, detected per line:
   plain   {"id": ..., "prompt": "...", "max_new_tokens": N, "temperature": T, "top_p": P,
           "top_k": K, "repetition_penalty": R, "stop": ["..."], "seed": S}
-          (all but id and prompt optional; a missing id is the line number)
-  openai  {"custom_id": ..., "method": "POST", "url": "/v1/completions",
-          "body": {"prompt": "...", "max_tokens": N, "temperature": T, "top_p": P, "stop": ...,
-                   "seed": S, "top_k": K, "repetition_penalty": R}}
-          (the request lines of the OpenAI batch API, as vLLM's run-batch reads them)
+          (all but id and prompt optional; a missing id is the line number); "messages" (a chat
+          conversation, rendered with the model's chat template) may stand for "prompt"
+  openai  the request lines of the OpenAI batch API for /v1/completions and
+          /v1/chat/completions (openai.py)
 Output records follow the line's form: plain lines get {"id", "text", "finish_reason", "usage",
 "spec", "error"}; OpenAI lines get {"id", "custom_id", "response": {"status_code", "request_id",
-"body"}, "error"} with a text_completion body. A line that cannot be served becomes an error
-record naming the problem (field, value or line); it never stops the job. Records are appended
-and flushed as rows finish; a rerun skips ids already in the output, so an interrupted job
-resumes and every id ends up exactly once.
+"body"}, "error"} with a text_completion or chat.completion body. A line that cannot be served
+becomes an error record naming the problem (field, value or line; a chat line for a model with no
+template, or whose template raises, says so); it never stops the job. Records are appended and
+flushed as rows finish; a rerun skips ids already in the output, so an interrupted job resumes and
+every id ends up exactly once.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import json
 import os
 import time
 
+from mtp_jax.formats.chat import ChatError
+from mtp_jax.serving import openai
 from mtp_jax.serving.api import Completion, Request
-
-OPENAI_URL = "/v1/completions"
 
 
 @dataclasses.dataclass
@@ -45,6 +45,7 @@ class Item:
   request: Request | None = None
   error: str | None = None
   form: str = "plain"         # 'plain' or 'openai' (then id is the custom_id)
+  chat: bool = False          # a conversation (messages), rendered with the chat template
 
   @property
   def key(self) -> str:
@@ -53,11 +54,6 @@ class Item:
 
 _NUMBERS = {"max_new_tokens": int, "top_k": int, "temperature": float, "top_p": float,
             "repetition_penalty": float, "seed": int}
-_OPENAI_NAMES = {"max_tokens": "max_new_tokens"}       # body field -> plain field
-_OPENAI_IGNORED = {"model", "n", "stream", "logprobs", "echo", "user", "best_of", "suffix",
-                   "presence_penalty", "frequency_penalty"}
-
-
 def _check(name, value, max_new_cap):
   if name == "max_new_tokens" and not 1 <= value <= max_new_cap:
     return f"max_new_tokens={value}: must be in 1..{max_new_cap}"
@@ -74,91 +70,77 @@ def _check(name, value, max_new_cap):
   return None
 
 
-def _openai_fields(obj, line_no):
-  """An OpenAI batch request line -> (custom_id, plain-form fields) or (custom_id, error)."""
-  cid = obj.get("custom_id")
-  if not isinstance(cid, str) or not cid:
-    return f"line {line_no}", "custom_id: missing or not a non-empty string"
-  if obj.get("method", "POST") != "POST":
-    return cid, f"method={obj.get('method')!r}: only POST is supported"
-  if obj.get("url") != OPENAI_URL:
-    return cid, f"url={obj.get('url')!r}: only {OPENAI_URL} is supported"
-  body = obj.get("body")
-  if not isinstance(body, dict):
-    return cid, "body: missing or not a JSON object"
-  fields = {}
-  for name, v in body.items():
-    if name in _OPENAI_IGNORED:
-      if name == "n" and v != 1:
-        return cid, f"body.n={v!r}: only n=1 is supported"
-      continue
-    plain = _OPENAI_NAMES.get(name, name)
-    if plain not in _NUMBERS and plain not in ("prompt", "stop"):
-      return cid, f"body.{name}: unknown field"
-    fields[plain] = v
-  if isinstance(fields.get("prompt"), list):
-    p = fields["prompt"]
-    if len(p) != 1 or not isinstance(p[0], str):
-      return cid, "body.prompt: a list prompt must hold exactly one string"
-    fields["prompt"] = p[0]
-  return cid, fields
-
-
 def parse_line(raw: bytes, line_no: int, defaults: Defaults, tokenizer, max_prompt: int,
                max_new_cap: int) -> Item:
   """One input line -> an Item with a Request, or with an error naming the problem."""
   try:
     text = raw.decode("utf-8")
   except UnicodeDecodeError as e:
-    return Item(line_no, line_no, error=f"line {line_no}: not valid UTF-8 ({e.reason} at byte {e.start})")
+    return Item(line_no, line_no,
+                error=f"line {line_no}: not valid UTF-8 ({e.reason} at byte {e.start})")
   try:
     obj = json.loads(text)
   except json.JSONDecodeError as e:
-    return Item(line_no, line_no, error=f"line {line_no}: not valid JSON ({e.msg} at column {e.colno})")
+    return Item(line_no, line_no,
+                error=f"line {line_no}: not valid JSON ({e.msg} at column {e.colno})")
   if not isinstance(obj, dict):
     return Item(line_no, line_no, error=f"line {line_no}: a request must be a JSON object")
   if "custom_id" in obj or "body" in obj:
-    form = "openai"
-    rid, fields = _openai_fields(obj, line_no)
-    if isinstance(fields, str):
+    form, prefix, body = "openai", "body.", obj.get("body")
+    rid, fields, chat = openai.fields(obj, line_no, set(_NUMBERS) | {"prompt", "messages", "stop"})
+    if chat is None:
       return Item(line_no, rid, error=fields, form=form)
-    prefix = "body."
   else:
-    form, fields, prefix = "plain", obj, ""
+    form, fields, prefix, body = "plain", obj, "", {}
+    chat = "messages" in obj and "prompt" not in obj
     rid = obj.get("id", line_no)
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
       return Item(line_no, line_no, error=f"line {line_no}: id must be a string or an integer")
-  err = lambda msg: Item(line_no, rid, error=prefix + msg, form=form)
-  prompt = fields.get("prompt")
-  if not isinstance(prompt, str):
-    return err(f"prompt: missing or not a string (got {type(prompt).__name__})")
-  if not prompt:
-    return err("prompt: empty")
-  params = dataclasses.asdict(defaults)
-  params["seed"] = (defaults.seed * 1_000_003 + line_no) % 2**31
-  for name, typ in _NUMBERS.items():
-    if name not in fields or (form == "openai" and fields[name] is None):
-      continue
-    v = fields[name]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (typ is int and not isinstance(v, int)):
-      shown = "max_tokens" if (form == "openai" and name == "max_new_tokens") else name
-      return err(f"{shown}={v!r}: must be {'an integer' if typ is int else 'a number'}")
-    params[name] = typ(v)
-  for name, v in params.items():
-    msg = _check(name, v, max_new_cap)
-    if msg:
-      if form == "openai" and name == "max_new_tokens":
-        msg = msg.replace("max_new_tokens", "max_tokens")
-      return err(msg)
+  err = lambda msg: Item(line_no, rid, error=prefix + msg, form=form, chat=chat)
+  params, msg = _sampling(fields, form, body, defaults, line_no, max_new_cap)
+  if msg:
+    return err(msg)
   stop = fields.get("stop") or []
   if isinstance(stop, str):
     stop = [stop]
   if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
     return err("stop: must be a non-empty string or a list of them")
-  ids = tokenizer.encode(prompt)
+  if chat:
+    try:
+      ids = tokenizer.encode_chat(fields.get("messages"))
+    except ChatError as e:
+      return err(str(e))
+  else:
+    prompt = fields.get("prompt")
+    if not isinstance(prompt, str):
+      return err(f"prompt: missing or not a string (got {type(prompt).__name__})")
+    if not prompt:
+      return err("prompt: empty")
+    ids = tokenizer.encode(prompt)
   if len(ids) > max_prompt:
-    return err(f"prompt: {len(ids)} tokens, longer than the {max_prompt} the context allows")
-  return Item(line_no, rid, Request(ids, stop=tuple(stop), **params), form=form)
+    what = "messages" if chat else "prompt"
+    return err(f"{what}: {len(ids)} tokens, longer than the {max_prompt} the context allows")
+  return Item(line_no, rid, Request(ids, stop=tuple(stop), **params), form=form, chat=chat)
+
+
+def _sampling(fields, form, body, defaults: Defaults, line_no: int, max_new_cap: int):
+  """-> (the Request's sampling fields, None) or (None, the problem)."""
+  params = dataclasses.asdict(defaults)
+  params["seed"] = (defaults.seed * 1_000_003 + line_no) % 2**31
+  shown = lambda name: openai.shown_name(name, body) if form == "openai" else name
+  for name, typ in _NUMBERS.items():
+    if name not in fields or (form == "openai" and fields[name] is None):
+      continue
+    v = fields[name]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (
+        typ is int and not isinstance(v, int)):
+      return None, f"{shown(name)}={v!r}: must be {'an integer' if typ is int else 'a number'}"
+    params[name] = typ(v)
+  for name, v in params.items():
+    msg = _check(name, v, max_new_cap)
+    if msg:
+      return None, msg.replace(name, shown(name), 1)
+  return params, None
 
 
 def load_done(path: str) -> set:
@@ -185,7 +167,8 @@ def load_done(path: str) -> set:
 def record(item: Item, c: Completion | None = None, model: str = "mtp-jax") -> dict:
   """The output record of one line, in the line's form (c is None for an error record)."""
   if item.form == "openai":
-    return _openai_record(item, c, model)
+    return openai.record(item.line, item.id, item.chat, c, item.error,
+                         None if c is None else _spec(c), model)
   if c is None:
     return {"id": item.id, "text": None, "finish_reason": "error",
             "usage": {"prompt_tokens": 0, "completion_tokens": 0}, "spec": None,
@@ -197,22 +180,6 @@ def record(item: Item, c: Completion | None = None, model: str = "mtp-jax") -> d
 
 def _spec(c: Completion) -> dict:
   return {"steps": c.steps, "acceptance_length": round(c.acceptance_length, 4)}
-
-
-def _openai_record(item: Item, c: Completion | None, model: str) -> dict:
-  rid = f"batch_req_{item.line}"
-  if c is None:
-    return {"id": rid, "custom_id": item.id,
-            "response": {"status_code": 400, "request_id": rid, "body": None},
-            "error": {"code": "invalid_request", "message": item.error}}
-  usage = {"prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.token_ids),
-           "total_tokens": c.prompt_tokens + len(c.token_ids)}
-  body = {"id": f"cmpl-{item.line}", "object": "text_completion", "created": int(time.time()),
-          "model": model, "choices": [{"index": 0, "text": c.text, "logprobs": None,
-                                       "finish_reason": c.finish_reason}],
-          "usage": usage, "spec": _spec(c)}
-  return {"id": rid, "custom_id": item.id,
-          "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
 
 
 def read_items(decoder, input_path: str, done_keys: set, defaults: Defaults) -> list[Item]:
@@ -252,12 +219,17 @@ def needed_len(input_path: str, tokenizer, default_max_new: int) -> int:
         prompt = fields.get("prompt") if isinstance(fields, dict) else None
         if isinstance(prompt, list) and len(prompt) == 1:
           prompt = prompt[0]
-        if not isinstance(prompt, str):
+        if isinstance(prompt, str):
+          n = len(tokenizer.encode(prompt))
+        elif isinstance(fields, dict) and "messages" in fields:
+          n = len(tokenizer.encode_chat(fields["messages"]))
+        else:
           continue
-        m = fields.get("max_new_tokens", fields.get("max_tokens", default_max_new))
+        m = fields.get("max_new_tokens", fields.get("max_tokens",
+                                                    fields.get("max_completion_tokens")))
         m = m if isinstance(m, int) and not isinstance(m, bool) and m > 0 else default_max_new
-        need = max(need, len(tokenizer.encode(prompt)) + m)
-      except (ValueError, UnicodeDecodeError, AttributeError):
+        need = max(need, n + m)
+      except (ValueError, UnicodeDecodeError, AttributeError):   # ChatError is a ValueError
         continue
   return need
 

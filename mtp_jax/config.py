@@ -145,16 +145,22 @@ DISTILL_TARGETS = ("hard", "soft")
 DRAFTERS = ("heads", "ngram", "model")
 ATTENTIONS = ("dense", "blocked")
 KV_DTYPES = ("auto", "float32", "bfloat16", "int8", "float8_e4m3fn")
+DATA_FORMATS = ("files", "jsonl")
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """A corpus is a directory of text files; '' means the running Python's standard library."""
+  """A corpus is a directory of text files ('' means the running Python's standard library), or
+  with format='jsonl' one JSONL file of records {"text": ...} or {"messages": [...]}
+  (training/jsonl.py)."""
   SECTION = "data"
+  format: str = "files"             # files (corpus_dir, glob) | jsonl (the file data.path)
   corpus_dir: str = ""
   glob: str = "**/*.py"
   exclude: str = "site-packages"    # path fragment whose files are skipped
-  heldout_permille: int = 20        # files whose path hash falls below this go to held-out
+  path: str = ""                    # format='jsonl': the JSONL file
+  heldout_permille: int = 20        # files (records) whose path (JSON) hash falls below this go
+                                    # to held-out
   max_files: int = 0                # 0 = all files (sorted by path, then capped)
   tokenizer_train_bytes: int = 8_000_000
   tokenizer: str = ""               # reuse this model directory's tokenizer ('' = train one)
@@ -167,6 +173,19 @@ class DataConfig:
       fail("data.heldout_permille", self.heldout_permille, "must be in [0, 1000)")
     if self.max_files < 0:
       fail("data.max_files", self.max_files, "must be >= 0")
+    if self.format not in DATA_FORMATS:
+      fail("data.format", self.format, f"must be one of {DATA_FORMATS}")
+    if self.format == "jsonl":
+      if self.corpus_dir:
+        fail("data.corpus_dir", self.corpus_dir, "names a directory of text files "
+             "(data.format='files'); a JSONL corpus is named by data.path")
+      if not self.path:
+        fail("data.path", self.path, "must name a JSONL file with data.format='jsonl'")
+      if self.max_files:
+        fail("data.max_files", self.max_files, "applies to data.format='files' only")
+    elif self.path:
+      fail("data.path", self.path, "applies to data.format='jsonl' only (a directory of text "
+           "files is data.corpus_dir)")
 
 
 @dataclasses.dataclass(frozen=True)

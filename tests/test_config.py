@@ -19,6 +19,12 @@ from tests.conftest import tiny_config
     ("train", {"mode": "heads_only", "init_from": ""}, "train.init_from=''"),
     ("data", {"heldout_permille": 1000}, "data.heldout_permille=1000"),
     ("data", {"seq_len": 1000}, "data.seq_len=1000"),
+    ("data", {"format": "csv"}, "data.format='csv'"),
+    ("data", {"format": "jsonl"}, "data.path=''"),
+    ("data", {"path": "chats.jsonl"}, "data.path='chats.jsonl'"),
+    ("data", {"format": "jsonl", "path": "c.jsonl", "corpus_dir": "c.jsonl"},
+     "data.corpus_dir='c.jsonl'"),
+    ("data", {"format": "jsonl", "path": "c.jsonl", "max_files": 3}, "data.max_files=3"),
 ])
 def test_bad_values_name_the_field(section, fields, field_named):
   with pytest.raises(C.ConfigError) as e:
@@ -40,3 +46,15 @@ def test_round_trip_and_frozen():
     cfg.model.d_model = 3
   m, h = C.load_model_dir_config(__import__("json").dumps(C.model_dir_config(cfg)))
   assert (m, h) == (cfg.model, cfg.heads)
+
+
+def test_heads_only_chat_config_needs_a_jsonl_path():
+  from configs import heads_only_chat
+  d = heads_only_chat.get_config().to_dict()
+  d["train"]["init_from"] = "MODEL_DIR"
+  d["model"]["max_seq_len"] = 1024
+  with pytest.raises(C.ConfigError, match="data.path='': must name a JSONL file"):
+    C.Config.from_dict(d)
+  d["data"]["path"] = "chats.jsonl"
+  cfg = C.Config.from_dict(d)
+  assert cfg.data.format == "jsonl" and cfg.train.mode == "heads_only"

@@ -1,10 +1,11 @@
 """Corpus -> token stream -> batches.
 
 A corpus is a directory of text files matched by a glob (by default the running Python's standard
-library). Files are split into train / held-out by a hash of their relative path, so the split
-never depends on the machine or on the order files are listed. The batch iterator is a pure
-function of (seed, batch index): its whole state is the index of the next batch, which the
-checkpoint stores, so a resumed run sees exactly the batches an uninterrupted one would.
+library), or a JSONL file of records (jsonl.py). Files are split into train / held-out by a hash
+of their relative path, so the split never depends on the machine or on the order files are
+listed. The batch iterator is a pure function of (seed, batch index): its whole state is the
+index of the next batch, which the checkpoint stores, so a resumed run sees exactly the batches
+an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -128,6 +129,24 @@ class BatchIterator:
     if int(state["seed"]) != self.seed:
       raise ValueError(f"data iterator state has seed {state['seed']}, config has {self.seed}")
     self.next_batch = int(state["next_batch"])
+
+
+class PromptBatches(BatchIterator):
+  """Deterministic batches of prompt rows (jsonl.prompt_rows: [N, P + 1], each a right-padded
+  prompt, then its length), in BatchIterator's order: each epoch visits every row once in a
+  permutation seeded by (seed, epoch); the same state and restore. A batch is (prompt_BP,
+  lengths_B)."""
+
+  def __init__(self, rows_NP1: np.ndarray, batch_size: int, seed: int):
+    if len(rows_NP1) < 1:
+      raise ValueError("no distillation prompts to draw batches from")
+    self.tokens, self.batch_size, self.seed, self.next_batch = rows_NP1, batch_size, seed, 0
+    self.num_windows, self.window, self.stride = len(rows_NP1), rows_NP1.shape[1] - 1, 1
+    self._perm_epoch, self._perm = -1, None
+
+  def batch(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+    rows = self.tokens[self._starts(index * self.batch_size, self.batch_size)]
+    return rows[:, :-1], rows[:, -1]
 
 
 def heldout_batches(tokens: np.ndarray, batch_size: int, window: int, num_batches: int) -> list:

@@ -17,14 +17,15 @@ from mtp_jax.models import cache as kv
 from mtp_jax.models import model as model_lib
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "num_new"))
-def greedy_generate(graphdef, params, prompt_BP, lengths_B, num_new: int):
+@functools.partial(jax.jit, static_argnames=("graphdef", "num_new", "pad_id"))
+def greedy_generate(graphdef, params, prompt_BP, lengths_B, num_new: int, pad_id: int = 0):
   """-> tokens [B, P + num_new]: row b holds its prompt, then num_new greedy tokens from
-  position lengths_B[b] on (positions past lengths_B[b] + num_new keep their padding)."""
+  position lengths_B[b] on (positions past lengths_B[b] + num_new keep their padding: the
+  prompt's own, then pad_id)."""
   m = model_lib.bind(graphdef, params)
   b, p = prompt_BP.shape
   total = p + num_new
-  buf_BS = jnp.pad(prompt_BP, ((0, 0), (0, num_new)))
+  buf_BS = jnp.pad(prompt_BP, ((0, 0), (0, num_new)), constant_values=pad_id)
   cache = kv.init_cache(m.cfg, b, total, model_lib.compute_dtype(m.cfg))
   # Prefill the padded prompt; the loop then re-feeds each row's last prompt token at its own
   # position (rewriting that K/V identically) and pad positions are overwritten before use.

@@ -108,18 +108,25 @@ class Trainer:
 
     self.eval_step = jax.jit(eval_step, static_argnames=("start",))
 
-  def distill_batch(self, params, tokens_BW):
-    """Corpus prompt + the trunk's own greedy continuation, the same window length."""
+  def distill_batch(self, params, tokens_BW, lengths_B=None):
+    """Prompt + the trunk's own greedy continuation of W - P tokens, a window of W: the prompt is
+    each row's first P = distill_prompt_len tokens, or with lengths_B (chat prompts, right-padded)
+    its first lengths_B[b], and a row whose prompt is shorter ends in end-of-document tokens."""
     p = self.cfg.train.distill_prompt_len
-    b, w = tokens_BW.shape
+    w = self.cfg.data.seq_len + self.cfg.heads.num + 1
+    b = tokens_BW.shape[0]
     prompt = self.put(np.asarray(tokens_BW)[:, :p])
-    return gen_lib.greedy_generate(self.graphdef, params, prompt,
-                                   jnp.full((b,), p, jnp.int32), w - p)
+    lengths_B = jnp.asarray(np.full((b,), p) if lengths_B is None else lengths_B, jnp.int32)
+    return gen_lib.greedy_generate(self.graphdef, params, prompt, lengths_B, w - p,
+                                   pad_id=self.tokenizer.eod_id)
 
-  def prepare(self, params, tokens_BW):
-    if self.cfg.train.mode == "heads_only" and self.cfg.train.distill_source == "generated":
-      return self.distill_batch(params, tokens_BW)
-    return self.put(tokens_BW)
+  def prepare(self, params, batch):
+    """A training batch on the mesh. `batch`: windows [B, W], or (prompt_BP, lengths_B) from
+    data.PromptBatches (heads_only on a JSONL corpus's prompts)."""
+    if self.cfg.train.mode != "heads_only" or self.cfg.train.distill_source != "generated":
+      return self.put(batch)
+    tokens, lengths_B = batch if isinstance(batch, tuple) else (batch, None)
+    return self.distill_batch(params, tokens, lengths_B)
 
   def put(self, batch):
     """A global host batch onto the mesh, rows on 'data'."""
@@ -190,8 +197,9 @@ def train(cfg: Config, workdir: str, log: Callable[[str], None] = logging.info,
   of this call (used to test resumption) without exporting.
   """
   os.makedirs(workdir, exist_ok=True)
-  workdir_lib.check_run_config(workdir, cfg)
+  workdir_lib.check_run_config(workdir, cfg, write=False)
   data = _Data.load(cfg, workdir)
+  workdir_lib.check_run_config(workdir, cfg)      # written once the corpus has loaded
   mesh = sharding_lib.make_mesh(cfg.mesh.shape)
   rules = sharding_lib.parse_rules(cfg.mesh.rules)
   if cfg.train.batch_size % mesh.shape["data"]:
@@ -257,19 +265,19 @@ class _Data:
   n_train: int
   n_heldout: int
   window: int
-  batches: data_lib.BatchIterator
+  batches: data_lib.BatchIterator       # or PromptBatches (heads_only on JSONL prompts)
   eval_batches: list
 
   @classmethod
   def load(cls, cfg: Config, workdir: str) -> "_Data":
-    train_files, heldout_files = data_lib.split_files(cfg.data)
-    tokenizer = workdir_lib.load_or_train_tokenizer(cfg, workdir, train_files)
-    train_tokens = workdir_lib.token_cache(workdir, "train", cfg, train_files, tokenizer)
-    heldout_tokens = (workdir_lib.token_cache(workdir, "heldout", cfg, heldout_files, tokenizer)
-                      if heldout_files else np.zeros((0,), np.int32))
     window = cfg.data.seq_len + cfg.heads.num + 1
-    return cls(tokenizer, len(train_tokens), len(heldout_tokens), window,
-               data_lib.BatchIterator(train_tokens, cfg.train.batch_size, window, cfg.data.seed),
+    tokenizer, train_tokens, heldout_tokens, prompts = workdir_lib.load_corpus(cfg, workdir,
+                                                                               window)
+    if prompts is None:
+      batches = data_lib.BatchIterator(train_tokens, cfg.train.batch_size, window, cfg.data.seed)
+    else:
+      batches = data_lib.PromptBatches(prompts, cfg.train.batch_size, cfg.data.seed)
+    return cls(tokenizer, len(train_tokens), len(heldout_tokens), window, batches,
                data_lib.heldout_batches(heldout_tokens, cfg.train.batch_size, window,
                                         cfg.train.eval_batches))
 
@@ -285,6 +293,9 @@ def _describe(cfg: Config, mesh, rules, params, data: _Data, log):
   log(f"model: {n_params / 1e6:.2f}M parameters ({model_lib.count_params(params['heads']) / 1e6:.2f}M "
       f"in {cfg.heads.num} {cfg.heads.kind} heads); mode={cfg.train.mode}; "
       f"{data.n_train:,} train / {data.n_heldout:,} held-out tokens")
+  if isinstance(data.batches, data_lib.PromptBatches):
+    log(f"self-distillation from {data.batches.num_windows:,} prompts of at most "
+        f"{cfg.train.distill_prompt_len} tokens ({cfg.data.path})")
 
 
 class _Progress:

@@ -13,7 +13,6 @@ table). Flags are checked before any model is loaded. See mtp_jax/bench/benchmar
 column measures and how.
 """
 
-import os
 import shlex
 import sys
 
@@ -70,15 +69,7 @@ def check_flags() -> list[int]:
     except ValueError as e:
       raise checks.FlagError(f"--modes={','.join(_MODES.value)}: {e}") from None
   sizes = checks.int_list("batch_sizes", _BATCH.value, lo=1)
-  if _MODEL.value.startswith("config:"):
-    name = _MODEL.value[len("config:"):]
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if not os.path.isfile(os.path.join(here, "configs", name + ".py")):
-      raise checks.FlagError(f"--model={_MODEL.value}: no configs/{name}.py")
-  elif _MODEL.value.startswith("widen:"):        # widen:N:DIR (mtp_jax/bench/widen.py)
-    checks.model_dir("model", _MODEL.value.split(":", 2)[-1])
-  else:
-    checks.model_dir("model", _MODEL.value)
+  checks.model_spec("model", _MODEL.value)
   if any(m.startswith("draft:") for m in _MODES.value):
     checks.model_dir("draft_model", _DRAFT.value)
   for name, flag, allowed in (("attention", _ATTN, _ATTENTIONS),

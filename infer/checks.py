@@ -71,6 +71,19 @@ def model_dir(name: str, path: str):
     _fail(name, path, "not a model directory (no config.json)")
 
 
+def model_spec(name: str, spec: str):
+  """A model directory, 'config:NAME' (configs/NAME.py, random weights) or 'widen:N:DIR'."""
+  if spec.startswith("config:"):
+    config = spec[len("config:"):]
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isfile(os.path.join(here, "configs", config + ".py")):
+      _fail(name, spec, f"no configs/{config}.py")
+  elif spec.startswith("widen:"):        # widen:N:DIR (mtp_jax/bench/widen.py)
+    model_dir(name, spec.split(":", 2)[-1])
+  else:
+    model_dir(name, spec)
+
+
 def input_file(name: str, path: str):
   """A readable file with at least one non-blank line."""
   if not os.path.isfile(path):

@@ -18,7 +18,8 @@ from absl import app, flags, logging
 from infer import checks, mesh_flags
 from infer.progress import Progress
 
-_MODEL = flags.DEFINE_string("model", None, "A model directory.")
+_MODEL = flags.DEFINE_string("model", None, "A model directory (or config:NAME: configs/NAME.py "
+                             "with random weights; widen:N:DIR: DIR widened N times).")
 _INPUT = flags.DEFINE_string("input", None, "JSONL requests.")
 _OUTPUT = flags.DEFINE_string("output", None, "JSONL results (appended; resumes).")
 _K = flags.DEFINE_string(
@@ -62,7 +63,7 @@ flags.mark_flags_as_required(["model", "input", "output"])
 def check_flags():
   """Every flag's value, before anything is loaded: raises checks.FlagError naming the first
   bad one."""
-  checks.model_dir("model", _MODEL.value)
+  checks.model_spec("model", _MODEL.value)
   checks.input_file("input", _INPUT.value)
   if _CHAT_TEMPLATE.value is not None:
     checks.input_file("chat_template", _CHAT_TEMPLATE.value)
@@ -116,7 +117,11 @@ def _decoder():
   from mtp_jax.serving import api, batch
   mesh_flags.initialize()
   mesh = None if mesh_flags.MESH.value is None else sharding_lib.make_mesh(mesh_flags.MESH.value)
-  mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(_MODEL.value)
+  if _MODEL.value.startswith(("config:", "widen:")):   # random or widened weights: speed only
+    from mtp_jax.bench import benchmark
+    mcfg, hcfg, params, tok = benchmark.load_model(_MODEL.value)
+  else:
+    mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(_MODEL.value)
   if _CHAT_TEMPLATE.value:
     with open(_CHAT_TEMPLATE.value, encoding="utf-8") as f:
       tok.chat_template = chat.check_template(f.read(), _CHAT_TEMPLATE.value)

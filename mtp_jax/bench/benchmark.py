@@ -80,7 +80,8 @@ def _tree(k, num_heads: int, model: str):
 
 def load_model(spec: str, seed: int = 0):
   """A model directory, 'config:NAME': an untrained model of configs/NAME.py (random weights,
-  fine for speed; its tokenizer is trained on a little of the corpus), or 'widen:N:DIR': DIR's
+  fine for speed; a tokenizer of at most 4,096 tokens trained on a little of the corpus stands in
+  for the real one: ids past it decode to nothing), or 'widen:N:DIR': DIR's
   model widened N times by a function-preserving expansion (its tokens and acceptance, N^2 times
   the bytes; mtp_jax/widen.py)."""
   if spec.startswith("widen:"):
@@ -95,7 +96,8 @@ def load_model(spec: str, seed: int = 0):
   cfg = Config.from_dict(mod.get_config().to_dict())
   from mtp_jax.formats.tokenizer import train_bpe
   files, _ = data_lib.split_files(cfg.data)
-  tok = train_bpe(data_lib.iter_texts(cfg.data, files, 2_000_000), cfg.model.vocab_size)
+  tok = train_bpe(data_lib.iter_texts(cfg.data, files, 2_000_000),
+                  min(cfg.model.vocab_size, 4096))
   _, params = model_lib.split(model_lib.create(cfg.model, cfg.heads, seed))
   dtype = model_lib.compute_dtype(cfg.model)
   params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
@@ -234,25 +236,35 @@ def _variants(modes, attention, kv_dtype) -> dict[str, tuple[str, str, str]]:
 def summarize(runs: list[Result], base: list[Result] | None) -> Result:
   """One row from a mode's timed repeats: the repeat of median throughput (its latencies and
   counts with it), and the speedup as the median over repeats of the ratio of a run's
-  throughput to vanilla's at the same moment (paired_ratios), with its interquartile range."""
+  throughput to vanilla's at the same moment (paired_ratios), with its interquartile range; the
+  step cost likewise, of its seconds per decode step (what a step of the mode costs in plain
+  steps, whatever its drafts' acceptance: the measure for random weights)."""
   r = dataclasses.replace(sorted(runs, key=lambda x: x.tokens_per_s)[(len(runs) - 1) // 2])
   if base:
     r.speedup, r.speedup_q25, r.speedup_q75 = _quartiles(paired_ratios(runs, base))
+    r.step_cost = _quartiles(paired_ratios(runs, base, _step_s))[0]
   return r
 
 
-def paired_ratios(runs: list[Result], base: list[Result]) -> np.ndarray:
-  """Per run, its throughput over base's at the moment it ran (at_s): base's is interpolated
+def _step_s(r: Result) -> float:
+  """A run's seconds per decode step (its prefills included)."""
+  return r.seconds / max(r.steps, 1)
+
+
+def paired_ratios(runs: list[Result], base: list[Result], key=None) -> np.ndarray:
+  """Per run, its throughput (or key(run)) over base's at the moment it ran (at_s): base's is
+  interpolated
   linearly in time between its runs before and after (the nearest one past either end); runs
   without times (at_s all equal) pair with base's run of the same repeat. Ratios to the moment
   follow a machine whose speed drifts between repeats: in the alternating order a mode runs up to
   len(modes) - 1 runs away from the same repeat's base run, but always between two of base's
   runs. A ratio of the best runs compares two lucky moments."""
+  key = key or (lambda r: r.tokens_per_s)
   at = np.array([v.at_s for v in base])
   if len(base) > 1 and np.all(np.diff(at) > 0):
-    tps = np.array([v.tokens_per_s for v in base])
-    return np.array([x.tokens_per_s / np.interp(x.at_s, at, tps) for x in runs])
-  return np.array([x.tokens_per_s / v.tokens_per_s for x, v in zip(runs, base)])
+    tps = np.array([key(v) for v in base])
+    return np.array([key(x) / np.interp(x.at_s, at, tps) for x in runs])
+  return np.array([key(x) / key(v) for x, v in zip(runs, base)])
 
 
 def _quartiles(ratios: np.ndarray) -> tuple[float, float, float]:

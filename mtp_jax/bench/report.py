@@ -37,6 +37,7 @@ class Result:
   speedup: float = 1.0            # median over repeats of the ratio to vanilla at the same time
   speedup_q25: float = 1.0
   speedup_q75: float = 1.0
+  step_cost: float | None = None  # median over repeats of seconds per step over vanilla's
   at_s: float = 0.0               # the middle of the run, seconds from the batch's first timed run
   best_fixed: str | None = None   # adaptive rows: the fixed shape of highest speedup beside it
   vs_best: float | None = None    # median over repeats of the ratio to best_fixed at the same time
@@ -45,10 +46,10 @@ class Result:
 
 
 
-HEADER = ("| mode | batch | tokens/s | speedup (IQR) | acceptance length | "
+HEADER = ("| mode | batch | tokens/s | speedup (IQR) | step cost | acceptance length | "
           "acceptance per position | TTFT p50 ms | TPOT p50/p99 ms | host us/step | roofline | "
           "bound | compile s |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def format_row(r: Result) -> str:
@@ -58,8 +59,9 @@ def format_row(r: Result) -> str:
     roof += " (in cache)"
   spread = "" if r.speedup_q25 == r.speedup_q75 else \
       f" ({r.speedup_q25:.2f}-{r.speedup_q75:.2f})"
+  cost = "-" if r.step_cost is None else f"{r.step_cost:.2f}"
   return (f"| {r.mode} | {r.batch_size} | {r.tokens_per_s:.1f} | {r.speedup:.2f}{spread} | "
-          f"{r.acceptance_length:.2f} | {per} | {r.ttft_ms_p50:.1f} | "
+          f"{cost} | {r.acceptance_length:.2f} | {per} | {r.ttft_ms_p50:.1f} | "
           f"{r.tpot_ms_p50:.2f}/{r.tpot_ms_p99:.2f} | {r.host_overhead_us:.0f} | {roof} | "
           f"{r.bound or '-'} | {r.compile_s:.1f} |")
 

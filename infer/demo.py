@@ -8,8 +8,8 @@
    drafts per step and plainly. After an untimed run each, --repeats timed runs alternate between
    the two (in swapped order every other repeat), and the speedup is the median of the paired
    time ratios. The tokens must be identical. Then the same with the model widened --widen times
-   (mtp_jax/bench/widen.py: the same function and tokens, widen^2 times the weights): the demo's 15 MB
-   sit in this CPU's cache, where a step of k+1 tokens costs ~2.5 plain steps, while a real
+   (mtp_jax/bench/widen.py: the same function and tokens, widen^2 times the weights): the demo's
+   15 MB sit in this CPU's cache, where a step of k+1 tokens costs ~2.5 plain steps, while a real
    model's step streams its weights from memory, as the widened one's does, and verifying k+1
    tokens then costs little more than one.
 2. A batch job (mtp-infer's code path: batch.run_job) over --batch_prompts at --batch_size slots,

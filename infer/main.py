@@ -4,7 +4,7 @@
             [--batch_size=auto|N] [--kv_budget_gb=G] [--temperature=T] [--top_p=P] [--top_k=K]
             [--max_new_tokens=N] [--seed=S] [--quiet]
 
-Input lines are plain requests or OpenAI batch request lines (see mtp_jax/serving/batch.py). Rerunning
+Input lines are plain requests or OpenAI batch request lines (mtp_jax/serving/batch.py). Rerunning
 with the same --output resumes: ids already written are skipped. Flags are checked before JAX is
 imported or the model loaded, so a bad value fails in a moment with one line naming it.
 """

@@ -75,6 +75,10 @@ class Engine:
     # Adaptive k's trees do not widen it: a tree is chosen only where every row has room for
     # it (loop.allowed).
     self.span = self.kd if self.tree is None else self.tree.size
+    # The rows of the step's widest unembedding product (model.unembed_copy picks the layout
+    # from it): a fixed shape verifies span + 1 tokens a row every step; adaptive k's plain steps
+    # unembed one row a slot.
+    self.unembed_rows = self.cfg.batch_size * (1 if self.cfg.adaptive else self.span + 1)
     # Seconds per step for each shape (k = 0..Kd, then trees); until calibrated, equal costs
     # (the controller then only weighs expected tokens).
     self.cost = [1.0] * self.n_shapes
@@ -256,7 +260,7 @@ class Engine:
     src = tuple(p["trunk"]["embed_VD"] for _, p in pairs)
     made = getattr(self, "_unembed", None)
     if made is None or any(a is not b for a, b in zip(made[0], src)):
-      copies = tuple(model_lib.unembed_copy(c, p, self.cfg.batch_size) for c, p in pairs)
+      copies = tuple(model_lib.unembed_copy(c, p, self.unembed_rows) for c, p in pairs)
       self._unembed = made = src, copies
     return made[1]
 

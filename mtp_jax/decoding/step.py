@@ -70,13 +70,14 @@ def step(sc: StepConfig, drafter, m, dm, state: DecodeState, shape: Chain | Tree
   last = jnp.take_along_axis(rows.tokens, (length - 1)[:, None], axis=1)
   k_row = jnp.minimum(row_limit(sc, state.drafts), k)
   last_B = None       # a tree: the input of the last accepted token (a chain's is n)
+  head_logits = None   # the heads' logits at every verified position (_logits)
   if tree is None:
     drafts_BK = chain_tokens(state.drafts.tokens)[:, :k]
     inp_BT = jnp.concatenate([last, drafts_BK], axis=1)                 # [B, k+1]
     pos_BT = (length - 1)[:, None] + jnp.arange(k + 1)[None]
     # 2. trunk
     h_BTD, trunk = m(inp_BT, pos_BT, state.caches.trunk)
-    logits_BTV = m.logits(h_BTD)
+    logits_BTV, head_logits = _logits(sc, drafter, m, h_BTD, nd)
     # 3. verify
     n, out_BT, base_BV, logp_BTV = _verify(sc, state, drafts_BK, logits_BTV, k_row, k_verify,
                                            sp, sample)
@@ -94,7 +95,7 @@ def step(sc: StepConfig, drafter, m, dm, state: DecodeState, shape: Chain | Tree
   inp = DraftInput(h_BTD=h_BTD, n_B=n, tokens_BS=rows.tokens, start_B=length,
                    length_B=rows.length, active_B=active, k=k, draft_cache=state.caches.draft,
                    seq_h=state.caches.seq_h, key=k_draft, sp=sp, presence_BV=presence,
-                   last_B=last_B)
+                   last_B=last_B, head_logits_BTNV=head_logits)
   drafts, dcache, seq_h = _draft_next(sc, drafter, m, dm, inp, state.drafts, nd, sample,
                                       want_conf, ranked)
   # 6. record
@@ -115,6 +116,26 @@ def step(sc: StepConfig, drafter, m, dm, state: DecodeState, shape: Chain | Tree
                      caches=Caches(trunk=trunk, draft=dcache, seq_h=seq_h),
                      sampling=state.sampling.replace(key=key), record=record,
                      controller=state.controller)
+
+
+# The most rows of one unembedding product that a step unembeds the heads in (_logits).
+ONE_PASS_ROWS = 16
+
+
+def _logits(sc: StepConfig, drafter, m, h_BTD, nd: int):
+  """-> (the trunk's logits [B, T, V], the first nd heads' logits at every position [B, T, nd, V]
+  or None). Where the drafter's heads read the trunk's hidden state alone (parallel heads) and
+  the product stays small, the heads run at all T verified positions and are unembedded in the
+  trunk's product: one pass over the [D, V] unembedding a step instead of two (the heads'
+  hidden states at the accepted position, unembedded after verification). A memory-bound step
+  reads the unembedding once; past ONE_PASS_ROWS rows the product's arithmetic, T times the
+  heads', outweighs the pass it saves (docs/benchmarks.md, Real shapes)."""
+  b, t, _ = h_BTD.shape
+  if not (nd and getattr(drafter, "one_pass", False) and b * t * (1 + nd) <= ONE_PASS_ROWS):
+    return m.logits(h_BTD), None
+  x = jnp.concatenate([h_BTD[:, :, None], m.head_hidden(h_BTD, n=nd)], axis=2)
+  logits = m.logits(x)                                               # [B, T, 1 + nd, V]
+  return logits[:, :, 0], logits[:, :, 1:]
 
 
 def _verify(sc, state, drafts_BK, logits_BTV, k_row, k_verify, sp, sample: bool):

@@ -99,16 +99,17 @@ def bind(graphdef, params) -> MTPModel:
 
 
 def unembed_copy(cfg: ModelConfig, params, rows: int):
-  """-> the [D, V] copy of a tied embedding that decode calls of `rows` slots unembed from, or
-  None where they read the model as it is. On XLA:CPU, with two slots or more, a tied model
-  unembeds from a [D, V] copy: XLA:CPU's GEMM repacks a transposed [V, D] right operand at every
-  product of several rows (at the demo's size, 4096 x 256, a product of 4 rows took 147 us
-  against 83 us from the copy; docs/decoding.md, The tied unembedding on CPU). A product of one
-  row is XLA:CPU's GEMV, which reads [V, D] as it lies; one slot keeps it, as a call reading both
-  layouts reads twice the bytes (one slot's steps of one draft ran 11% slower so). GPUs read
-  either layout, and the copy would cost their memory. The engine makes the copy once per params
-  (Engine.unembed) and hands it to every call: made inside each call, it cost about a plain step
-  a call at 4 slots."""
+  """-> the [D, V] copy of a tied embedding that decode calls unembed from, or None where they
+  read the model as it is. rows: the rows of the calls' widest unembedding product
+  (Engine.unembed_rows: slots times the tokens a step verifies a row). On XLA:CPU a product of
+  several rows goes to a GEMM that repacks a transposed [V, D] right operand at every product (at
+  Qwen2.5's vocabulary, 545 MB a product: a 3-draft step at one slot cost 3.2 plain steps reading
+  [V, D], 1.9 from the copy; docs/benchmarks.md), so a tied model unembeds from a [D, V] copy;
+  a product of one row is XLA:CPU's GEMV, which reads [V, D] as it lies, so plain decoding at
+  one slot keeps it (and adaptive k at one slot, whose plain steps are products of one row).
+  GPUs read either layout, and the copy would cost their memory. The engine makes the copy once
+  per params (Engine.unembed) and hands it to every call: made inside each call, it cost about a
+  plain step a call at 4 slots."""
   if cfg.tie_embeddings and rows > 1 and jax.default_backend() == "cpu":
     return _transposed(params["trunk"]["embed_VD"])
   return None

@@ -197,8 +197,12 @@ def test_the_unembedding_copy_is_made_once_per_params(tiny_model):
   other["trunk"] = dict(other["trunk"], embed_VD=jnp.asarray(emb * 2.0))
   np.testing.assert_array_equal(np.asarray(eng.unembed(other)[0]), 2.0 * emb.T)
   assert eng.unembed(params)[0] is not copy                      # remade for the first again
-  one = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=1, k=2), tok.eod_id)
-  assert one.unembed(params) == (None,)
+  # One slot: a fixed shape's every product has k + 1 rows (the copy); plain decoding's and
+  # adaptive k's plain steps one (none).
+  assert E.Engine(mcfg, hcfg, DecodeConfig(batch_size=1, k=2), tok.eod_id).unembed(
+      params)[0] is not None
+  for one in (DecodeConfig(batch_size=1, k=0), DecodeConfig(batch_size=1, adaptive=True)):
+    assert E.Engine(mcfg, hcfg, one, tok.eod_id).unembed(params) == (None,)
 
 
 def test_refill_ends_the_call_once_enough_rows_finish(tiny_model):
@@ -251,3 +255,33 @@ def test_a_closed_run_launches_no_chunk_past_its_rows_end(tiny_model, k):
     for ref, c in zip(full, got):
       ref = ref[:max_new]
       assert c.token_ids == (ref[: ref.index(tok.eod_id)] if tok.eod_id in ref else ref)
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_one_pass_unembedding_keeps_the_output_exact(tiny_model, monkeypatch, sample):
+  """With the heads unembedded in the trunk's product at every verified position (step._logits;
+  here forced at every size), greedy output equals plain decoding and sampling stays lossless."""
+  from mtp_jax.decoding import step as step_lib
+  (mcfg, hcfg, params, tok), cfg = tiny_model
+  made, logits = [], step_lib._logits
+
+  def spy(*args):                   # runs as the step is traced
+    out = logits(*args)
+    made.append(out[1] is not None)
+    return out
+  monkeypatch.setattr(step_lib, "ONE_PASS_ROWS", 10**9)
+  monkeypatch.setattr(step_lib, "_logits", spy)
+  if not sample:
+    prompts = heldout_prompts(cfg, tok, 5, seed=13)
+    reqs = [api.Request(p, m) for p, m in zip(prompts, [30, 7, 40, 22, 35])]
+    plain = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, k=0, ring_size=8))
+    spec = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, k=3, ring_size=8))
+    assert [r.token_ids for r in spec.run(reqs)] == [r.token_ids for r in plain.run(reqs)]
+    assert sum(spec.last_stats["accepted"]) > 0
+  else:
+    prompt = heldout_prompts(cfg, tok, 1, seed=3)[0][:12]
+    a, _ = sample_engine(mcfg, hcfg, params, tok, 0, 24, 64, prompt, 3, seed=1)
+    b, st = sample_engine(mcfg, hcfg, params, tok, 3, 24, 64, prompt, 3, seed=2)
+    assert sum(st["accepted"]) > 0.1 * sum(st["drafted"]), st
+    assert_same_distribution(second_and_third(a), second_and_third(b))
+  assert any(made), "the heads were never unembedded with the trunk"

@@ -56,6 +56,9 @@ class DraftInput(NamedTuple):
   presence_BV: jax.Array | None   # sampled steps: the history the penalty counts
   last_B: jax.Array | None = None  # a tree step: the input of the last accepted token (0 the
                                    # root, i+1 node i); a chain's is n_B
+  head_logits_BTNV: jax.Array | None = None  # the first n heads' logits at every verified
+                                             # position, where the step computed them in its
+                                             # own unembedding product (one pass over [D, V])
 
   @property
   def h_last_BD(self):

@@ -1,6 +1,11 @@
 """Parallel heads (Medusa / Gloeckle et al.): head i reads the trunk's hidden state at the last
 accepted position and predicts the token i + 1 past it; all heads in one einsum and one
-unembedding. No cache of their own."""
+unembedding. No cache of their own.
+
+Their hidden states depend on the trunk's alone, so a step may run them at every position it
+verifies and unembed them in the trunk's own product, one pass over the unembedding instead of
+two, then keep the accepted position's logits (Medusa does so; step.py `_logits` decides where
+it pays): `draft` reads them from DraftInput.head_logits_BTNV where the step made them."""
 
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ from mtp_jax.decoding.drafters.base import DraftInput, DraftSpec, no_drafts, pea
 
 
 class ParallelHeads:
+  one_pass = True           # the step may unembed the heads with the trunk (step._logits)
+
   def __init__(self, spec: DraftSpec):
     self.spec = spec
 
@@ -24,13 +31,19 @@ class ParallelHeads:
 
   def draft(self, m, dm, inp: DraftInput, n: int, sample: bool, want_conf: bool,
             ranked: bool = True):
+    logits = None
+    if inp.head_logits_BTNV is not None:       # made in the trunk's product: the accepted row's
+      last = inp.n_B if inp.last_B is None else inp.last_B
+      logits = jnp.take_along_axis(inp.head_logits_BTNV, last[:, None, None, None],
+                                   axis=1)[:, 0, :n]
     return self.heads(m, inp.h_last_BD, inp.key, inp.sp, inp.presence_BV, sample, n,
-                      want_conf, ranked) + (inp.draft_cache, inp.seq_h)
+                      want_conf, ranked, logits) + (inp.draft_cache, inp.seq_h)
 
   def heads(self, m, h_BD, key, sp, presence_BV, sample: bool, n: int, want_conf: bool = True,
-            ranked: bool = True):
-    """n drafts from the first n heads at one hidden state per row
-    -> (drafts [B, n], logq [B, n, V], the heads' confidence: peak probability [B, n]); with
+            ranked: bool = True, logits=None):
+    """n drafts from the first n heads at one hidden state per row (or from their logits
+    [B, n, V], made by the step) -> (drafts [B, n], logq [B, n, V], the heads' confidence: peak
+    probability [B, n]); with
     spec.top_r and `ranked`, each head's top_r candidates [B, n, R] (candidates).
 
     When sampling, draft i is drawn from head i's processed distribution, whose repetition
@@ -39,8 +52,9 @@ class ParallelHeads:
     b, v = h_BD.shape[0], self.spec.vocab_size
     if n == 0:
       return no_drafts(b, v)
-    hh = m.head_hidden(h_BD[:, None], n=n)[:, 0]                        # [B, n, D]
-    logits = m.logits(hh)                                               # [B, n, V]
+    if logits is None:
+      hh = m.head_hidden(h_BD[:, None], n=n)[:, 0]                      # [B, n, D]
+      logits = m.logits(hh)                                             # [B, n, V]
     if self.spec.top_r and ranked:
       return self.candidates(logits, key, sp, presence_BV, sample, want_conf)
     if not sample:

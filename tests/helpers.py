@@ -2,8 +2,13 @@
 lossless-sampling check (rounds of sampled rows, a two-sample chi-square test)."""
 
 import contextlib
+import json
 import logging
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
@@ -15,6 +20,32 @@ from mtp_jax.decoding import state as state_lib
 from mtp_jax.training import data as data_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def infer(args, **kw):
+  """mtp-infer in a process of its own (python -m infer.main args), output and errors piped."""
+  return subprocess.Popen([sys.executable, "-m", "infer.main", *args], cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=dict(os.environ, PYTHONPATH=ROOT), **kw)
+
+
+def killed_and_resumed(args, out, n: int, at: int = 5) -> list[dict]:
+  """Runs the batch job of `args` (writing `out`), SIGKILLs it once `at` records are written
+  (fewer than its n), runs it again to the end. -> the output's records."""
+  p = infer(args)
+  deadline = time.time() + 300
+  while time.time() < deadline and p.poll() is None:
+    if out.exists() and out.read_text().count("\n") >= at:
+      break
+    time.sleep(0.05)
+  assert p.poll() is None, "the job ended before it could be killed: " + p.communicate()[1][-2000:]
+  os.kill(p.pid, signal.SIGKILL)
+  p.wait()
+  assert at <= out.read_bytes().count(b"\n") < n
+  p = infer(args)
+  _, err = p.communicate(timeout=600)
+  assert p.returncode == 0, err[-3000:]
+  return [json.loads(line) for line in out.read_text().splitlines()]
 
 
 def heldout_prompts(cfg, tok, n, seed=0):

@@ -1,15 +1,9 @@
 """The speculative decode engine: prefill / insert / generate over a fixed-shape DecodeState.
 
-One step (step.py), for every row at once; k = 0 is plain decoding through the same code:
-  1. input: [last committed token, d_1..d_k] at positions length-1 .. length-1+k;
-  2. trunk: runs the k+1 tokens, writing their K/V into the cache at those positions;
-  3. verify: keeps the longest acceptable draft prefix and adds one token from the trunk;
-  4. commit: writes the accepted tokens, advances the length (rollback is the length alone);
-  5. draft: the drafter (drafters/) proposes the next drafts from what the step hands it;
-  6. record: one ring entry (the adaptive controller reads its window) and the run's counters.
-`generate` runs these steps in jitted `lax.while_loop`s (loop.py; state donated) until
-`num_steps` steps ran or every row is done. Rows stop at the end-of-document token, at their own
-max_new_tokens, or when the cache is full.
+One step (step.py: input, trunk, verify, commit, draft, record) runs for every row at once;
+k = 0 is plain decoding through the same code. `generate` runs these steps in jitted
+`lax.while_loop`s (loop.py; state donated) until `num_steps` steps ran or every row is done.
+Rows stop at an end token (end_ids), at their own max_new_tokens, or when the cache is full.
 """
 
 from __future__ import annotations

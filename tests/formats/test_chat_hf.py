@@ -5,8 +5,6 @@ render to transformers' tokens; export gives them back; the batch job serves cha
 
 import json
 import os
-import signal
-import time
 
 import pytest
 
@@ -20,7 +18,7 @@ from mtp_jax.formats import checkpoint as ckpt_lib  # noqa: E402
 from mtp_jax.formats import hf as hf_lib  # noqa: E402
 from mtp_jax.formats.tokenizer import Tokenizer as OurTokenizer  # noqa: E402
 from mtp_jax.serving import api, batch  # noqa: E402
-from tests.serving.test_batch import _infer  # noqa: E402
+from tests.helpers import killed_and_resumed  # noqa: E402
 
 TEXT = "def add(x, y):\n    return x + y\n\nHello, how are you? I am fine, thank you.\n"
 QWEN = ("{%- if messages[0]['role'] == 'system' -%}"
@@ -44,7 +42,9 @@ LLAMA = ("{{- bos_token -}}{%- set ns = namespace(last='') -%}"
          "{%- endfor -%}"
          "{%- if add_generation_prompt -%}"
          "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}")
-MODELS = {   # family, special tokens, bos added by the tokenizer, template, eos ids: config / generation
+# family, special tokens, the bos the tokenizer adds, template, tokenizer_config's tokens, eos id
+# of config.json, of generation_config.json
+MODELS = {
     "qwen": ("Qwen2", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, QWEN,
              dict(eos_token="<|im_end|>", pad_token="<|endoftext|>"), 0, None),
     "llama": ("Llama", ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
@@ -224,20 +224,7 @@ def test_chat_job_killed_with_sigkill_resumes_exactly_once(imported, tmp_path):
                          for i in range(n)))
   args = [f"--model={ours}", f"--input={inp}", f"--output={out}", "--k=2", "--batch_size=2",
           "--quiet"]
-  p = _infer(args)
-  deadline = time.time() + 300
-  while time.time() < deadline and p.poll() is None:
-    if out.exists() and out.read_text().count("\n") >= 5:
-      break
-    time.sleep(0.05)
-  assert p.poll() is None, "the job ended before it could be killed: " + p.communicate()[1][-2000:]
-  os.kill(p.pid, signal.SIGKILL)
-  p.wait()
-  assert 5 <= out.read_bytes().count(b"\n") < n
-  p = _infer(args)
-  _, err = p.communicate(timeout=600)
-  assert p.returncode == 0, err[-3000:]
-  recs = [json.loads(line) for line in out.read_text().splitlines()]
+  recs = killed_and_resumed(args, out, n)
   assert sorted(r["custom_id"] for r in recs) == sorted(f"r{i}" for i in range(n))
   assert all(r["error"] is None and r["response"]["body"]["object"] == "chat.completion"
              for r in recs)

@@ -3,17 +3,13 @@ greedy output equal to plain decoding, resume exactly once (also after SIGKILL).
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
 from mtp_jax.config import DecodeConfig
 from mtp_jax.formats import checkpoint as ckpt_lib
 from mtp_jax.serving import api, batch
-from tests.helpers import ROOT
+from tests.helpers import ROOT, infer, killed_and_resumed
 
 
 @pytest.fixture(scope="module")
@@ -180,19 +176,13 @@ def test_per_row_seeds_make_sampled_rows_reproducible(decoder):
 
 
 
-def _infer(args, **kw):
-  return subprocess.Popen([sys.executable, "-m", "infer.main", *args], cwd=ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=dict(os.environ, PYTHONPATH=ROOT), **kw)
-
-
 def test_cli_missing_model_or_input_is_one_clear_line(tmp_path):
   inp = tmp_path / "in.jsonl"
   inp.write_text('{"prompt": "x"}\n')
   for args, msg in [([f"--model={tmp_path}/nope", f"--input={inp}"], "nope"),
                     ([f"--model={ROOT}/pretrained/demo", f"--input={tmp_path}/missing.jsonl"],
                      "missing.jsonl: no such file")]:
-    p = _infer(args + [f"--output={tmp_path}/o.jsonl"])
+    p = infer(args + [f"--output={tmp_path}/o.jsonl"])
     _, err = p.communicate(timeout=300)
     assert p.returncode != 0 and msg in err.strip().splitlines()[-1], err
 
@@ -205,21 +195,7 @@ def test_job_killed_with_sigkill_resumes_exactly_once(trained_tiny, tmp_path):
                          for i, p in enumerate(_prompts(n))))
   args = [f"--model={workdir}/model", f"--input={inp}", f"--output={out}", "--k=2",
           "--batch_size=2", "--quiet"]
-  p = _infer(args)
-  deadline = time.time() + 300
-  while time.time() < deadline and p.poll() is None:
-    if out.exists() and out.read_text().count("\n") >= 5:
-      break
-    time.sleep(0.05)
-  assert p.poll() is None, "the job ended before it could be killed: " + p.communicate()[1][-2000:]
-  os.kill(p.pid, signal.SIGKILL)
-  p.wait()
-  first = out.read_bytes()
-  assert 5 <= first.count(b"\n") < n
-  p = _infer(args)
-  _, err = p.communicate(timeout=600)
-  assert p.returncode == 0, err[-3000:]
-  recs = [json.loads(l) for l in out.read_text().splitlines()]
+  recs = killed_and_resumed(args, out, n)
   assert sorted(r["id"] for r in recs) == sorted(f"r{i}" for i in range(n))
   assert all(r["error"] is None for r in recs)
   summary = json.load(open(str(out) + ".summary.json"))

@@ -7,7 +7,7 @@
 
 Each has init_cache(b, s) -> (draft cache, seq_h), prefill(...) and draft(...), both returning
 (drafts, logq, conf, draft cache, seq_h). make() chooses one; nothing else branches on the kind.
-Trees (a tree engine's, adaptive k's) draft with the parallel heads only (DecodeConfig.resolve
+Trees (a tree engine's, adaptive k's) draft with the parallel heads only (shape_set.resolve
 refuses the others): each head's top_r candidates by rank.
 """
 

@@ -125,11 +125,28 @@ class HeadsConfig:
   num: int = 3
   layers: int = 1                   # parallel: residual SiLU layers per head (Medusa's num_layers)
   module_d_ff: int = 0              # sequential: MLP width of each module's block; 0 = model.d_ff
+  carry: str = "raw"                # sequential: what module i hands module i+1, its block's
+                                    # output (DeepSeek-V3) or that output normed (GLM-4.5, MiMo)
+  trunk_state: str = "normed"       # sequential: the trunk's hidden state module 1 reads, after
+                                    # its final norm or before it (MiMo)
+  zero_first_embed: bool = False    # sequential: module 1 reads a zero embedding at trunk
+                                    # position 0 (vLLM's MiMo and DeepSeek MTP layers)
+  own_unembed: bool = False         # parallel: each head has its own [D, V] unembedding
+                                    # (Medusa-1's per-head lm_head), not the trunk's
 
   def __post_init__(self):
     if self.kind not in HEAD_KINDS:
       fail("heads.kind", self.kind, f"must be one of {HEAD_KINDS}")
     _positive(self, "num", "layers")
+    for name, allowed in (("carry", ("raw", "normed")), ("trunk_state", ("normed", "pre_norm"))):
+      if getattr(self, name) not in allowed:
+        fail(f"heads.{name}", getattr(self, name), f"must be one of {allowed}")
+      if getattr(self, name) != allowed[0] and self.kind != "sequential":
+        fail(f"heads.{name}", getattr(self, name), "applies to sequential heads only")
+    if self.zero_first_embed and self.kind != "sequential":
+      fail("heads.zero_first_embed", True, "applies to sequential heads only")
+    if self.own_unembed and self.kind != "parallel":
+      fail("heads.own_unembed", True, "applies to parallel heads only (heads.kind='parallel')")
     if self.layers > 1 and self.kind != "parallel":
       fail("heads.layers", self.layers, "applies to parallel heads only (heads.kind='parallel')")
     if self.module_d_ff < 0:

@@ -216,7 +216,8 @@ def _timed(dec, reqs, mode: str, b: int, compile_s: float, t_first: float) -> Re
       float(np.percentile(tpot, 50)), float(np.percentile(tpot, 99)),
       (tm["wall_s"] - tm["wait_s"]) / max(st["steps"], 1) * 1e6, compile_s,
       memory.tree_bytes(dec.params) + state_bytes, stats.get("peak_bytes_in_use"),
-      at_s=t0 + dt / 2 - t_first)
+      at_s=t0 + dt / 2 - t_first,
+      reused_from=1 if dec.engine.cfg.reuse_module else 0)
 
 
 def _variants(modes, attention, kv_dtype) -> dict[str, tuple[str, str, str]]:

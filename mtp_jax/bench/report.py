@@ -43,6 +43,8 @@ class Result:
   vs_best: float | None = None    # median over repeats of the ratio to best_fixed at the same time
   vs_best_q25: float | None = None
   vs_best_q75: float | None = None
+  reused_from: int = 0            # decode.reuse_module: positions from this one (0-based) on
+                                  # are drafted by module 1 again (marked *)
 
 
 
@@ -53,7 +55,8 @@ HEADER = ("| mode | batch | tokens/s | speedup (IQR) | step cost | acceptance le
 
 
 def format_row(r: Result) -> str:
-  per = " ".join(f"{x:.2f}" for x in r.acceptance_rate_per_position) or "-"
+  per = " ".join(f"{x:.2f}" + ("*" if r.reused_from and i >= r.reused_from else "")
+                 for i, x in enumerate(r.acceptance_rate_per_position)) or "-"
   roof = "-" if r.roofline_fraction is None else f"{r.roofline_fraction:.2f}"
   if r.fits_in_cache:
     roof += " (in cache)"
@@ -81,8 +84,10 @@ def format_vs_best(results: list[Result]) -> str:
 def format_tables(results: list[Result]) -> str:
   """The results table, and below it adaptive against the best fixed shape where it has one."""
   vs = format_vs_best(results)
+  reused = any(r.reused_from for r in results)
   return (HEADER + "\n" + "\n".join(format_row(r) for r in results)
-          + ("\n\n" + vs if vs else ""))
+          + ("\n\n\\* drafted by module 1 reused (the model has fewer MTP modules than drafts)"
+             if reused else "") + ("\n\n" + vs if vs else ""))
 
 
 def write_outputs(out_dir: str, machine: dict, results: list[Result], command: str = ""):

@@ -131,7 +131,9 @@ def _logits(sc: StepConfig, drafter, m, h_BTD, nd: int):
   reads the unembedding once; past ONE_PASS_ROWS rows the product's arithmetic, T times the
   heads', outweighs the pass it saves (docs/benchmarks.md, Real shapes)."""
   b, t, _ = h_BTD.shape
-  if not (nd and getattr(drafter, "one_pass", False) and b * t * (1 + nd) <= ONE_PASS_ROWS):
+  shared = not m.heads_cfg.own_unembed       # heads with their own unembedding read their own
+  if not (nd and shared and getattr(drafter, "one_pass", False)
+          and b * t * (1 + nd) <= ONE_PASS_ROWS):
     return m.logits(h_BTD), None
   x = jnp.concatenate([h_BTD[:, :, None], m.head_hidden(h_BTD, n=nd)], axis=2)
   logits = m.logits(x)                                               # [B, T, 1 + nd, V]

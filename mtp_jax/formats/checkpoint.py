@@ -74,9 +74,12 @@ def _cast(params, dtype):
 
 
 def save_model_dir(path: str, cfg: config_lib.Config, params, tokenizer: Tokenizer,
-                   dtype: str = "float32", hf_config: dict | None = None):
+                   dtype: str = "float32", hf_config: dict | None = None,
+                   mtp_layout: str = ""):
   """Writes a complete model directory; an existing one at `path` is replaced. `hf_config` (an
-  imported model's HF config.json) is kept in config.json so the trunk can be exported back."""
+  imported model's HF config.json) is kept in config.json so the trunk can be exported back, and
+  `mtp_layout` (hf_mtp.py: the published layout its heads were imported from) so the heads go
+  back to it."""
   path = os.path.abspath(path)
   tmp = path + ".tmp"
   shutil.rmtree(tmp, ignore_errors=True)
@@ -84,6 +87,8 @@ def save_model_dir(path: str, cfg: config_lib.Config, params, tokenizer: Tokeniz
   meta = dict(config_lib.model_dir_config(cfg), tokenizer=tokenizer.special_tokens())
   if hf_config:
     meta["hf_config"] = hf_config
+  if mtp_layout:
+    meta["mtp_layout"] = mtp_layout
   with open(os.path.join(tmp, "config.json"), "w") as f:
     json.dump(meta, f, indent=2)
   tokenizer.save(os.path.join(tmp, "tokenizer.json"))

@@ -20,7 +20,8 @@ from mtp_jax import config as config_lib
 from mtp_jax.config import ModelConfig
 from mtp_jax.formats.tokenizer import Tokenizer
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MiMoForCausalLM")
+_QWEN2 = ("Qwen2ForCausalLM", "MiMoForCausalLM")        # MiMo: a Qwen2 trunk with MTP layers
 ROPE_KINDS = ("default", "linear", "llama3", "yarn", "dynamic")
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -68,13 +69,17 @@ def _rope(hf: dict) -> dict:
 
 def model_config_from_hf(hf: dict, max_seq_len: int = 0, param_dtype: str = "") -> ModelConfig:
   """The trunk's config for a HF config, or an HFImportError naming what does not fit."""
+  for field in ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size"):
+    if hf.get(field):
+      _fail(field, hf[field], "mixture-of-experts layers are not supported (the trunk and its "
+            "MTP modules must be dense)")
+  for field in ("kv_lora_rank", "q_lora_rank"):
+    if hf.get(field):
+      _fail(field, hf[field], "multi-head latent attention (MLA) is not supported")
   archs = hf.get("architectures") or []
   if len(archs) != 1 or archs[0] not in ARCHITECTURES:
     _fail("architectures", archs, f"must be one of {list(ARCHITECTURES)}")
   arch = archs[0]
-  for field in ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size"):
-    if hf.get(field):
-      _fail(field, hf[field], "mixture-of-experts layers are not supported")
   act = hf.get("hidden_act", "silu")
   if act != "silu":
     _fail("hidden_act", act, "only 'silu' (SwiGLU MLP) is supported")
@@ -117,7 +122,7 @@ def model_config_from_hf(hf: dict, max_seq_len: int = 0, param_dtype: str = "") 
   if max_seq_len > limit:
     _fail("max_seq_len", max_seq_len, f"must be <= {limit}, the checkpoint's {why}")
 
-  if arch == "Qwen2ForCausalLM":
+  if arch in _QWEN2:
     qkv_bias, out_bias = True, False
   else:
     qkv_bias = out_bias = bool(hf.get("attention_bias", False))
@@ -166,7 +171,7 @@ def _sliding_window(hf: dict, arch: str) -> int | None:
   if arch == "LlamaForCausalLM":
     return None
   window = hf.get("sliding_window")
-  if arch == "Qwen2ForCausalLM":
+  if arch in _QWEN2:
     sliding_layers = "sliding_attention" in (hf.get("layer_types") or [])
     if not (hf.get("use_sliding_window") or sliding_layers):
       return None

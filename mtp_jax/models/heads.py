@@ -7,7 +7,9 @@ hidden states that go through the trunk's shared unembedding in one matmul.
 'parallel' (Medusa / Gloeckle et al.): h + SiLU(h W_i + b_i), all K heads as one stacked weight
 [K, D, D] and one einsum. W is initialised to zero, so every head starts as the identity, i.e. as a
 copy of the trunk's next-token prediction, and training moves it one token further each. With
-heads.layers = L > 1 each head stacks L such residual layers (Medusa's num_layers).
+heads.layers = L > 1 each head stacks L such residual layers (Medusa's num_layers); with
+heads.own_unembed each head predicts through its own [D, V] unembedding (Medusa-1's lm_head per
+head, `unembed_KDV`) instead of the trunk's.
 
 'sequential' (DeepSeek-V3 MTP modules): module i at position t computes
   x = W_h norm(h^{i-1}_t) + W_e norm(embed(token_{t+i}))      (= proj([norm(h); norm(e)]), 2D -> D)
@@ -17,6 +19,12 @@ final hidden state. Module i runs at rotary position t + i (the position of its 
 relative positions matter), which is also where the decode engine keeps its K/V. W_h starts as the
 identity and W_e at zero, so a fresh module starts close to the trunk's next-token prediction.
 heads.module_d_ff narrows the blocks' MLP (a lighter module; the trunk's width by default).
+heads.carry: module i+1 reads h^i as the block left it ('raw', DeepSeek-V3) or after out_norm
+('normed', GLM-4.5 and MiMo). heads.trunk_state='pre_norm': h^0 is the trunk's residual stream
+before its final norm (MiMo: then the trunk hands its state over before the norm and
+`MTPModel.logits` applies it).
+heads.zero_first_embed: module 1 reads a zero embedding at trunk position 0, as vLLM runs MiMo's
+and DeepSeek's MTP layers (`first_embed_masked`).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.config import HeadsConfig, ModelConfig
-from mtp_jax.models.layers import Block, RMSNorm
+from mtp_jax.models.layers import Block, RMSNorm, init_normal
 
 
 class ParallelHeads(nnx.Module):
@@ -41,6 +49,16 @@ class ParallelHeads(nnx.Module):
     if self.extra:                      # layers 2..L of every head
       self.wx_KLDE = nnx.Param(jnp.zeros((k, self.extra, d, d), pd))
       self.bx_KLE = nnx.Param(jnp.zeros((k, self.extra, d), pd))
+    if heads_cfg.own_unembed:
+      self.unembed_KDV = nnx.Param(init_normal(d ** -0.5)(rngs.params(), (k, d, cfg.vocab_size),
+                                                          pd))
+
+  def unembed(self, x_xnD, first: int = 0):
+    """Logits [..., n, V] in f32 of heads first .. first+n-1's hidden states, each head through
+    its own unembedding (heads.own_unembed)."""
+    n = x_xnD.shape[-2]
+    return jnp.einsum("...KD,KDV->...KV", x_xnD.astype(jnp.float32),
+                      self.unembed_KDV[first: first + n].astype(jnp.float32))
 
   def __call__(self, h_BTD, n: int | None = None):
     """-> [B, T, n, D]: the first n heads (default all; a decode step that drafts fewer than
@@ -60,8 +78,8 @@ class ParallelHeads(nnx.Module):
 
 
 class MTPModule(nnx.Module):
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int = 0):
-    """d_ff: the block's MLP width (0 = the trunk's)."""
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int = 0, carry: str = "raw"):
+    """d_ff: the block's MLP width (0 = the trunk's); carry: heads.carry."""
     pd = jnp.dtype(cfg.param_dtype)
     d = cfg.d_model
     self.h_norm = RMSNorm(d, cfg.norm_eps, pd)
@@ -70,21 +88,32 @@ class MTPModule(nnx.Module):
     self.we_DE = nnx.Param(jnp.zeros((d, d), pd))
     self.block = Block(dataclasses.replace(cfg, d_ff=d_ff or cfg.d_ff), rngs)
     self.out_norm = RMSNorm(d, cfg.norm_eps, pd)
+    self.carry = carry
 
   def __call__(self, h_BTD, e_BTD, pos_BT, cache_kv=None, key_limit_B=None, key_min: int = 0):
-    """-> (h^i before out_norm: the next module's input, h^i after it: for the unembedding,
-    the updated (k, v) of this module's cache). key_min: module i's cache starts at input
-    position i (trunk position 0)."""
+    """-> (h^i as the next module reads it (heads.carry), h^i after out_norm: for the
+    unembedding, the updated (k, v) of this module's cache). key_min: module i's cache starts
+    at input position i (trunk position 0)."""
     dt = h_BTD.dtype
     x = (jnp.einsum("BTD,DE->BTE", self.h_norm(h_BTD), self.wh_DE[...].astype(dt))
          + jnp.einsum("BTD,DE->BTE", self.e_norm(e_BTD.astype(dt)), self.we_DE[...].astype(dt)))
     y, cache_kv = self.block(x, pos_BT, cache_kv, key_limit_B, key_min)
-    return y, self.out_norm(y), cache_kv
+    yn = self.out_norm(y)
+    return (yn if self.carry == "normed" else y), yn, cache_kv
+
+
+def first_embed_masked(e_BTD, trunk_pos_BT, heads_cfg: HeadsConfig):
+  """Module 1's input embeddings with heads.zero_first_embed applied (zero at trunk position
+  0); pass them for module 1 only."""
+  if not heads_cfg.zero_first_embed:
+    return e_BTD
+  return jnp.where((trunk_pos_BT == 0)[..., None], jnp.zeros((), e_BTD.dtype), e_BTD)
 
 
 class SequentialHeads(nnx.Module):
   def __init__(self, cfg: ModelConfig, heads_cfg: HeadsConfig, rngs: nnx.Rngs):
-    self.modules = nnx.List([MTPModule(cfg, rngs, heads_cfg.module_d_ff)
+    self.heads_cfg = heads_cfg
+    self.modules = nnx.List([MTPModule(cfg, rngs, heads_cfg.module_d_ff, heads_cfg.carry)
                              for _ in range(heads_cfg.num)])
 
   def __call__(self, h_BTD, tokens_BW, embed):
@@ -97,7 +126,10 @@ class SequentialHeads(nnx.Module):
     outs, h = [], h_BTD
     for i, module in enumerate(self.modules, start=1):
       pos = jnp.broadcast_to(jnp.arange(t) + i, (b, t))
-      h, hn, _ = module(h, embed(tokens_BW[:, i: i + t]), pos)
+      e = embed(tokens_BW[:, i: i + t])
+      if i == 1:
+        e = first_embed_masked(e, pos - 1, self.heads_cfg)
+      h, hn, _ = module(h, e, pos)
       outs.append(hn)
     return jnp.stack(outs, axis=2)
 

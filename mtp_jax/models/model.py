@@ -46,15 +46,18 @@ class Trunk(nnx.Module):
       return logits * self.cfg.d_model ** -0.5 if self.cfg.tied_logits_scale else logits
     return jnp.einsum("...D,DV->...V", h, self.unembed_DV[...].astype(jnp.float32))
 
-  def __call__(self, tokens_BT, pos_BT, cache: kv.KVCache | None = None, query_mask_TT=None):
-    """-> (final hidden states, the updated cache)."""
+  def __call__(self, tokens_BT, pos_BT, cache: kv.KVCache | None = None, query_mask_TT=None,
+               pre_norm: bool = False):
+    """-> (final hidden states, after the final norm or with pre_norm before it; the updated
+    cache)."""
     x = self.embed(tokens_BT)
     layers = []
     for i, block in enumerate(self.blocks):
       x, layer = block(x, pos_BT, None if cache is None else cache.layer(i),
                        query_mask_TT=query_mask_TT)
       layers.append(layer)
-    return self.final_norm(x), None if cache is None else cache.with_layers(layers)
+    return x if pre_norm else self.final_norm(x), None if cache is None else cache.with_layers(
+        layers)
 
 
 class MTPModel(nnx.Module):
@@ -66,10 +69,18 @@ class MTPModel(nnx.Module):
     self.heads = heads_lib.make_heads(cfg, heads_cfg, rngs)
 
   def __call__(self, tokens_BT, pos_BT, cache: kv.KVCache | None = None, query_mask_TT=None):
-    return self.trunk(tokens_BT, pos_BT, cache, query_mask_TT)
+    """-> (the trunk's final hidden states h as the heads read them, the updated cache): after
+    the final norm, or before it where heads.trunk_state='pre_norm' (MiMo); `logits(h)` takes
+    either."""
+    return self.trunk(tokens_BT, pos_BT, cache, query_mask_TT, self.pre_norm)
+
+  @property
+  def pre_norm(self) -> bool:
+    return self.heads_cfg.trunk_state == "pre_norm"
 
   def logits(self, h_xD):
-    return self.trunk.unembed(h_xD)
+    """The trunk's logits (f32) of its hidden states h (from __call__)."""
+    return self.trunk.unembed(self.trunk.final_norm(h_xD) if self.pre_norm else h_xD)
 
   def head_hidden(self, h_BTD, tokens_BW=None, n: int | None = None):
     """Hidden states of the first n heads (default all K), [B, T, n, D]. Sequential heads also
@@ -79,9 +90,19 @@ class MTPModel(nnx.Module):
       return self.heads(h_BTD, tokens_BW, self.trunk.embed)[:, :, :n]
     return self.heads(h_BTD, n)
 
+  def head_unembed(self, x_xnD, head: int | None = None):
+    """Logits [..., n, V] (f32) of the first n heads' hidden states (with `head`: logits
+    [..., V] of that head's, x [..., D]): through the trunk's unembedding, or each head's own
+    (heads.own_unembed)."""
+    if not self.heads_cfg.own_unembed:
+      return self.trunk.unembed(x_xnD)
+    if head is None:
+      return self.heads.unembed(x_xnD)
+    return self.heads.unembed(x_xnD[..., None, :], head)[..., 0, :]
+
   def head_logits(self, h_BTD, tokens_BW=None):
     """Logits of all K heads, [B, T, K, V]: one unembedding matmul for all heads."""
-    return self.trunk.unembed(self.head_hidden(h_BTD, tokens_BW))
+    return self.head_unembed(self.head_hidden(h_BTD, tokens_BW))
 
 
 def create(cfg: ModelConfig, heads_cfg: HeadsConfig, seed: int = 0) -> MTPModel:

@@ -8,6 +8,8 @@ the trunk's own prediction at t+i (self-distillation), hard (argmax) or soft (it
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -87,20 +89,21 @@ def compute_losses(m: model_lib.MTPModel, tokens_BW, eod_id: int, mode: str,
       teacher = ("probs", jax.nn.softmax(teacher_logits, -1))
     teacher = (teacher[0], [shift_along(teacher[1], i)[:, ::head_stride] for i in range(1, k + 1)])
 
-  @jax.checkpoint
-  def head_loss(hh_BTD, ids, probs, mask):
-    logits = m.logits(hh_BTD)
+  @functools.partial(jax.checkpoint, static_argnums=(0,))
+  def head_loss(i, hh_BTD, ids, probs, mask):
+    logits = m.head_unembed(hh_BTD, head=i)
     return _masked_mean(_xent(logits, ids, probs), mask)
 
   head_losses = []
   for i in range(1, k + 1):
     mask = head_mask[..., i - 1]
+    hh = hh_BTKD[:, :, i - 1]
     if teacher is None:
-      loss_i = head_loss(hh_BTKD[:, :, i - 1], head_tgt[..., i - 1], None, mask)
+      loss_i = head_loss(i - 1, hh, head_tgt[..., i - 1], None, mask)
     elif teacher[0] == "ids":
-      loss_i = head_loss(hh_BTKD[:, :, i - 1], teacher[1][i - 1], None, mask)
+      loss_i = head_loss(i - 1, hh, teacher[1][i - 1], None, mask)
     else:
-      loss_i = head_loss(hh_BTKD[:, :, i - 1], None, teacher[1][i - 1], mask)
+      loss_i = head_loss(i - 1, hh, None, teacher[1][i - 1], mask)
     head_losses.append(loss_i)
   head_losses = jnp.stack(head_losses)
   return trunk_loss, head_losses

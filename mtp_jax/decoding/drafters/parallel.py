@@ -54,7 +54,7 @@ class ParallelHeads:
       return no_drafts(b, v)
     if logits is None:
       hh = m.head_hidden(h_BD[:, None], n=n)[:, 0]                      # [B, n, D]
-      logits = m.logits(hh)                                             # [B, n, V]
+      logits = m.head_unembed(hh)                                       # [B, n, V]
     if self.spec.top_r and ranked:
       return self.candidates(logits, key, sp, presence_BV, sample, want_conf)
     if not sample:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from mtp_jax.decoding import sampling
 from mtp_jax.decoding.drafters.base import DraftInput, DraftSpec, pick
 from mtp_jax.models import cache as kv
+from mtp_jax.models.heads import first_embed_masked
 
 
 class SequentialModules:
@@ -43,6 +44,8 @@ class SequentialModules:
     for i in range(self.n_mod):
       u = jnp.broadcast_to(pos + i + 1, (n, p))
       e = m.trunk.embed(hist_NS[:, i + 1: i + 1 + p])
+      if i == 0:
+        e = first_embed_masked(e, u - 1, m.heads_cfg)
       hp, _, (ks[i], vs[i]) = self.module(m, i)(hp, e, u, (ks[i], vs[i]), key_min=i + 1)
       at = jnp.maximum(length_N - i - 1, 0)
       seq_h = seq_h.at[:, i].set(hp[jnp.arange(n), at].astype(seq_h.dtype))
@@ -79,7 +82,8 @@ class SequentialModules:
     for i in range(n_upd):
       if i > 0:
         h_in = jnp.concatenate([seq_h[:, i - 1][:, None], h_prev[:, : w - 1]], axis=1)
-      h_prev, _, (ks[i], vs[i]) = self.module(m, i)(h_in, e, u, (ks[i], vs[i]), key_min=i + 1)
+      e_i = first_embed_masked(e, u - 1, m.heads_cfg) if i == 0 else e
+      h_prev, _, (ks[i], vs[i]) = self.module(m, i)(h_in, e_i, u, (ks[i], vs[i]), key_min=i + 1)
       h_i = h_prev[rows, last_B]
       if active_B is not None:
         h_i = jnp.where(active_B[:, None], h_i, seq_h[:, i])
@@ -96,7 +100,8 @@ class SequentialModules:
     subs = sampling.split_rows(key, self.spec.kd) if sample else None
     ks, vs = list(cache.k), list(cache.v)
     h = seq_h[:, 0]
-    hn = self.module(m, 0).out_norm(h)
+    first = self.module(m, 0)
+    hn = h if first.carry == "normed" else first.out_norm(h)
     drafts, logqs, confs = [], [], []
     limit = None if self.reuse else length_B - 1
     for j in range(n):
@@ -107,7 +112,7 @@ class SequentialModules:
         hh, hn, (ks[layer], vs[layer]) = self.module(m, j)(
             h[:, None], e, u, (ks[layer], vs[layer]), limit, key_min=layer + 1)
         h, hn = hh[:, 0], hn[:, 0]
-      d, logq, conf, presence_BV = pick(m.logits(hn), subs, j, sp, presence_BV, sample,
+      d, logq, conf, presence_BV = pick(m.head_unembed(hn), subs, j, sp, presence_BV, sample,
                                         j < self.spec.conf_cols(n, want_conf))
       drafts.append(d)
       logqs.append(logq)

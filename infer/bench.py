@@ -18,6 +18,8 @@ import sys
 
 from absl import app, flags, logging
 
+from mtp_jax import backend
+
 from infer import checks, mesh_flags
 from infer.progress import Progress
 from mtp_jax.bench import modes
@@ -41,6 +43,8 @@ _REPEATS = flags.DEFINE_integer(
     "repeats", 3, "Timed repeats per mode, interleaved across modes: the repeat of median "
     "throughput is reported, the speedup is the median of per-repeat ratios to vanilla.")
 _TEMP = flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0 = greedy).")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the smallest set of tokens whose "
+                            "probability reaches this (1 = off; with --temperature > 0).")
 # The choices of DecodeConfig.attention / kv_dtype, spelled out so that flags are checked
 # before JAX is imported.
 _ATTENTIONS = ("dense", "blocked")
@@ -86,6 +90,8 @@ def check_flags() -> list[int]:
                          ("repeats", _REPEATS, 1), ("temperature", _TEMP, 0),
                          ("max_len", _MAX_LEN, 0)):
     checks.number(name, flag.value, lo=lo)
+  if not 0 < _TOP_P.value <= 1:
+    raise checks.FlagError(f"--top_p={_TOP_P.value}: must be in (0, 1]")
   return sizes
 
 
@@ -118,7 +124,7 @@ def main(argv):
         _REPEATS.value, _WARMUP.value, _TEMP.value, _PROMPTS.value,
         _DRAFT.value if any(m.startswith("draft:") for m in _MODES.value) else "", machine,
         log=log, mesh=mesh_flags.MESH.value, attention=_ATTN.value, kv_dtype=_KV_DTYPE.value,
-        max_len=_MAX_LEN.value, progress=progress)
+        max_len=_MAX_LEN.value, progress=progress, top_p=_TOP_P.value)
   except (ckpt_lib.ModelDirError, ValueError) as e:
     sys.exit(f"mtp-bench: error: {e}")
   finally:
@@ -137,6 +143,7 @@ def main(argv):
 
 
 def run():
+  backend.apply_defaults()            # before JAX starts a backend
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it reads at INFO
   app.run(main, flags_parser=checks.flags_parser("mtp-bench"))
 

@@ -27,6 +27,8 @@ import time
 
 from absl import app, flags, logging
 
+from mtp_jax import backend
+
 from infer import checks
 
 _MODEL = flags.DEFINE_string("model", "pretrained/demo", "A model directory.")
@@ -220,5 +222,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  backend.apply_defaults()              # before JAX starts a backend
   logging.set_verbosity(logging.WARNING)
   app.run(main, flags_parser=checks.flags_parser("mtp-demo"))

@@ -4,7 +4,8 @@
 
 The trunk is written under HF Llama-family names with its config.json and tokenizer.json, so
 transformers' from_pretrained loads it; the heads go to mtp_heads.safetensors beside it (and
-`mtp-import --hf_model=HF_DIR` picks them up again).
+`mtp-import --hf_model=HF_DIR` picks them up again), or, where they were imported from a published
+layout (MiMo, DeepSeek's, Medusa-1: docs/models.md), back to it.
 """
 
 import sys

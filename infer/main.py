@@ -15,6 +15,8 @@ import sys
 
 from absl import app, flags, logging
 
+from mtp_jax import backend
+
 from infer import checks, mesh_flags
 from infer.progress import Progress
 
@@ -195,6 +197,7 @@ def main(argv):
 
 
 def run():
+  backend.apply_defaults()            # before JAX starts a backend
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it reads at INFO
   app.run(main, flags_parser=checks.flags_parser("mtp-infer"))
 

@@ -12,7 +12,7 @@ from tests.helpers import ROOT
 PACKAGE = os.path.join(ROOT, "mtp_jax")
 # Lowest first: a subpackage may import the ones before it.
 LAYERS = ("models", "formats", "decoding", "training", "serving", "bench")
-TOP = ("config", "sharding")     # the top modules, config first
+TOP = ("config", "backend", "sharding")     # the top modules, config first
 
 
 def _modules():
@@ -42,7 +42,7 @@ def _imports(name: str, path: str):
 
 
 def _rank(module: str) -> int:
-  """config 0, sharding 1, LAYERS[i] i + 2: a module imports only what ranks below it, or its own
+  """config 0, backend 1, sharding 2, LAYERS[i] i + 3: a module imports only what ranks below it, or its own
   subpackage."""
   parts = module.split(".")
   return TOP.index(parts[1]) if parts[1] in TOP else LAYERS.index(parts[1]) + len(TOP)

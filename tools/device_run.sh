@@ -21,10 +21,11 @@
 # The processes share a persistent XLA compilation cache ($WORK/jax_cache), so plain decoding
 # compiles once per batch size although two processes run it (jax keys each program by the XLA
 # flags too: the graphs stage compiles its own).
-# graphs: batch 1 again with XLA's command buffers (CUDA graphs) taking in the decode loop's
-# `while` and `conditional` (XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL): on
-# the H200 a plain batch-1 step took 0.83 ms where its weights take ~0.2 ms to read, the host
-# launching each iteration's kernels (docs/accelerators.md).
+# graphs: the CLIs put the decode loop's `while` and `conditional` into XLA's command buffers
+# (CUDA graphs) by default on a GPU (mtp_jax/backend.py); this stage runs batch 1 again without
+# them (XLA_FLAGS=--xla_gpu_enable_command_buffer=-WHILE,-CONDITIONAL: the host launching each
+# iteration's kernels, 0.87 ms a plain step on the H200 where its weights take ~0.2 ms to read;
+# docs/accelerators.md), what the default buys.
 # The bench model: `widen:8:pretrained/demo`, the demo widened 8x by a function-preserving
 # expansion (mtp_jax/bench/widen.py): d_model 2048, d_ff 5120, 64 heads / 16 kv heads, vocab
 # 4096, its 3 heads: 197M parameters. It decodes the demo's tokens, so its acceptance is the
@@ -182,9 +183,9 @@ if results:
 print(f"merged {len(results)} bench rows into {out}")
 EOF
 
-# 3. Batch 1 with the decode loop in CUDA graphs (XLA command buffers), where the loop's
-# kernels are launched from the host otherwise: its own process and table (graphs.md).
-XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
+# 3. Batch 1 with the decode loop launched from the host (command buffers for WHILE and
+# CONDITIONAL off), against the default's CUDA graphs: its own process and table (graphs.md).
+XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_command_buffer=-WHILE,-CONDITIONAL" \
   stage graphs "$L_GRAPHS" $PY -m infer.bench \
   --model="$BENCH_MODEL" --modes="${GRAPH_MODES:-vanilla,mtp:3,tree:16}" --batch_sizes=1 \
   --out="$WORK/graphs" --roofline=false "${BENCH_FLAGS[@]}"

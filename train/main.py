@@ -13,6 +13,8 @@ import time
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from mtp_jax import backend
+
 from infer import checks, mesh_flags
 from infer.progress import Progress
 
@@ -96,6 +98,7 @@ def main(argv):
 
 
 def run():
+  backend.apply_defaults()            # before JAX starts a backend
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
   app.run(main, flags_parser=checks.flags_parser("mtp-train"))
 

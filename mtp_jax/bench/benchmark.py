@@ -113,7 +113,8 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
         temperature: float = 0.0, prompts: str = "", draft_model: str = "",
         machine: dict | None = None, log=print, cost_table: str | None = None,
         mesh: str | None = None, attention=DecodeConfig.attention,
-        kv_dtype=DecodeConfig.kv_dtype, max_len: int = 0, progress=None) -> list[Result]:
+        kv_dtype=DecodeConfig.kv_dtype, max_len: int = 0, progress=None,
+        top_p: float = 1.0) -> list[Result]:
   """mesh: a mesh shape ('data:2,model:4') to decode on; None = one device. progress(done,
   total, what): called after each mode's compile and each timed run (total: all of them).
   attention, kv_dtype: one value, or several: then every mode runs once per combination, side
@@ -134,7 +135,7 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
   results = []
   for b in batch_sizes:
     ids = load_prompts(prompts, tok, b * rounds, prompt_tokens, seed=b)
-    reqs = [api.Request(p, max_new_tokens, temperature=temperature, seed=i)
+    reqs = [api.Request(p, max_new_tokens, temperature=temperature, top_p=top_p, seed=i)
             for i, p in enumerate(ids)]
     longest = max(len(p) for p in ids)
     decoders, compile_s = {}, {}

@@ -134,8 +134,8 @@ def step_cost(mcfg: ModelConfig, hcfg, dcfg: DecodeConfig, k: float, batch: int,
     per_head = head_params / hcfg.num
     if hcfg.kind == "sequential":   # each module takes the step's k+1 tokens, then drafts once
       flops += 2 * batch * ((2 * k + 1) * per_head + k * emb)
-    else:
-      flops += 2 * batch * k * (per_head + emb)
+    else:             # heads with their own unembedding hold it in per_head
+      flops += 2 * batch * k * (per_head + (0 if hcfg.own_unembed else emb))
   if k and dcfg.drafter == "model" and draft_params is not None:
     dn = model_lib.count_params(draft_params)
     nbytes += dn * itemsize * k + batch * live * 2 * draft_cfg.n_layers * \

@@ -171,8 +171,10 @@ def verify_sampling(key, drafts_BK, draft_logq_BKV, target_logp_BKV, k_row_B=Non
   if k_row_B is not None:       # positions at or past a row's cut were never drafted: use p
     residual = jnp.where((jnp.arange(k)[None] >= k_row_B[:, None])[..., None], p[:, :k], residual)
   correction = jnp.concatenate([residual, p[:, k:]], axis=1)            # [B, k+1, V]
-  extra = sample(k_s, jnp.log(jnp.maximum(correction, 1e-38)) + jnp.where(correction > 0, 0.0, NEG_INF))
+  # The extra token is drawn at each row's position n alone: one V-sized draw a row, not k+1.
+  at_n = jnp.take_along_axis(correction, n[:, None, None], axis=1)[:, 0]    # [B, V]
+  extra = sample(k_s, jnp.log(jnp.maximum(at_n, 1e-38)) + jnp.where(at_n > 0, 0.0, NEG_INF))
   tokens = jnp.concatenate([drafts_BK, jnp.zeros((b, 1), jnp.int32)], axis=1)
   idx = jnp.arange(k + 1)[None]
-  tokens = jnp.where(idx == n[:, None], extra, tokens)
+  tokens = jnp.where(idx == n[:, None], extra[:, None], tokens)
   return n, tokens

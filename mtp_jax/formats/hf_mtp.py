@@ -75,9 +75,14 @@ def shipped(layout: str, hf: dict, tensors: dict) -> set[str]:
   return set()
 
 
+def _prefix(layout: str, n_trunk: int, i: int) -> str:
+  """The HF name prefix of module i (0-based) after a trunk of n_trunk layers."""
+  return f"model.mtp_layers.{i}." if layout == "mimo" else f"model.layers.{n_trunk + i}."
+
+
 def _module_names(layout: str, mcfg: ModelConfig, n_trunk: int, i: int):
   """(HF names, params path, kind) of sequential module i, and its input projection's name."""
-  p = f"model.mtp_layers.{i}." if layout == "mimo" else f"model.layers.{n_trunk + i}."
+  p = _prefix(layout, n_trunk, i)
   e, h, out, proj = _NORMS[layout]
   b = ("modules", i)
   names = [(p + e + ".weight", b + ("e_norm", "scale"), "same"),
@@ -100,8 +105,7 @@ def sequential_heads(layout: str, hf: dict, tensors: dict, mcfg: ModelConfig, wh
   """-> (HeadsConfig, heads params) of the checkpoint's MTP modules (mimo or deepseek)."""
   names_in = shipped(layout, hf, tensors)
   n = _count_modules(layout, hf, names_in)
-  first = ("model.mtp_layers.0." if layout == "mimo" else f"model.layers.{mcfg.n_layers}.")
-  gate_name = first + "mlp.gate_proj.weight"
+  gate_name = _prefix(layout, mcfg.n_layers, 0) + "mlp.gate_proj.weight"
   d_ff = tensors[gate_name].shape[0] if gate_name in tensors else mcfg.d_ff
   hcfg = HeadsConfig(kind="sequential", num=n, module_d_ff=0 if d_ff == mcfg.d_ff else d_ff,
                      carry=carry or ("normed" if layout == "mimo" else "raw"),
@@ -110,16 +114,15 @@ def sequential_heads(layout: str, hf: dict, tensors: dict, mcfg: ModelConfig, wh
   _, abstract = model_lib.abstract(mcfg, hcfg)
   abstract = abstract["heads"]
   block_cfg = dataclasses.replace(mcfg, d_ff=d_ff)
+  dtype = np.dtype(W.np_dtype_of(mcfg.param_dtype))
   tree, used = None, set()
   for i in range(n):
     names, proj = _module_names(layout, block_cfg, mcfg.n_layers, i)
     tree = W.fill(abstract, names, tensors, mcfg.param_dtype, where, tree)
     w = _tensor(tensors, proj, (mcfg.d_model, 2 * mcfg.d_model), where)
-    hidden_first = layout == "mimo"       # MiMo: cat[hidden, embedding]; DeepSeek: the reverse
-    wh, we = (w[:, : mcfg.d_model], w[:, mcfg.d_model:])
-    if not hidden_first:
-      wh, we = we, wh
-    dtype = np.dtype(W.np_dtype_of(mcfg.param_dtype))
+    first, second = w[:, : mcfg.d_model], w[:, mcfg.d_model:]
+    # MiMo projects cat[hidden, embedding]; DeepSeek cat[embedding, hidden].
+    wh, we = (first, second) if layout == "mimo" else (second, first)
     W.put(tree, ("modules", i, "wh_DE"), np.ascontiguousarray(wh.T).astype(dtype))
     W.put(tree, ("modules", i, "we_DE"), np.ascontiguousarray(we.T).astype(dtype))
     used |= {x for x, _, _ in names} | {proj}
@@ -146,7 +149,7 @@ def _check_shared_copies(tensors: dict, mcfg: ModelConfig, n: int, where: str) -
   head = "model.embed_tokens.weight" if mcfg.tie_embeddings else "lm_head.weight"
   used = set()
   for i in range(n):
-    p = f"model.layers.{mcfg.n_layers + i}."
+    p = _prefix("deepseek", mcfg.n_layers, i)
     for name, trunk_name in ((p + "shared_head.head.weight", head),
                              (p + "embed_tokens.weight", "model.embed_tokens.weight")):
       if name in tensors:
@@ -205,7 +208,7 @@ def export_sequential(layout: str, hcfg: HeadsConfig, heads: dict, mcfg: ModelCo
     out[proj] = np.ascontiguousarray(np.concatenate([wh, we] if layout == "mimo" else [we, wh],
                                                     axis=1))
     if layout == "deepseek":
-      p = f"model.layers.{mcfg.n_layers + i}."
+      p = _prefix(layout, mcfg.n_layers, i)
       head = "model.embed_tokens.weight" if mcfg.tie_embeddings else "lm_head.weight"
       out[p + "shared_head.head.weight"] = trunk_tensors[head]
       out[p + "embed_tokens.weight"] = trunk_tensors["model.embed_tokens.weight"]

@@ -133,9 +133,9 @@ def batch_job(model: str, inp: str, max_len: int):
   n = _BATCH.value
   plain = api.Decoder.load(model, batch_size=n, k=0, max_len=max_len)
   auto = api.Decoder.load(model, batch_size=n, k="auto", max_len=max_len)
-  say(f"batch job, {n} slots, --k=auto: the cost table of this machine (measured once per slot "
-      "count, up to a minute; cached in ~/.cache/mtp_jax)")
-  auto.calibrate()
+  say(f"batch job, {n} slots, --k=auto (step costs learned while decoding; kept in "
+      "~/.cache/mtp_jax)")
+  auto.cost_table()
   decs = {"plain": plain, "auto": auto}
   outs = {name: os.path.join(_OUT.value, f"demo_batch.{name}.jsonl") for name in decs}
   say(f"batch job: compiling, then a warm-up job of each decoder over "

@@ -12,6 +12,9 @@ imported or the model loaded, so a bad value fails in a moment with one line nam
 import json
 import os
 import sys
+import time
+
+_T0 = time.perf_counter()    # the process's start, near enough: first_token_s counts from it
 
 from absl import app, flags, logging
 
@@ -28,9 +31,10 @@ _K = flags.DEFINE_string(
     "k", "auto", "Drafts per step: 'auto' (adaptive), -1 all heads, 0 plain, or tree:T: each "
     "step verifies a token tree of T nodes from the parallel heads' top candidates (the model "
     "directory's trees.json, else a default tree).")
-_CALIBRATE = flags.DEFINE_bool("calibrate", False, "Re-measure the cost table of --k=auto.")
-_COSTS = flags.DEFINE_string("cost_table", None, "Cost table JSON, which also keeps the "
-                             "acceptance runs measured (default: ~/.cache/mtp_jax).")
+_CALIBRATE = flags.DEFINE_bool("calibrate", False, "--k=auto: learn the step costs afresh from "
+                               "the roofline, not from those an earlier run stored.")
+_COSTS = flags.DEFINE_string("cost_table", None, "JSON where --k=auto keeps the step costs it "
+                             "learns and the acceptance runs measured (default: ~/.cache/mtp_jax).")
 _BATCH = flags.DEFINE_string(
     "batch_size", "auto", "Decode slots, or 'auto': the most whose decode state (KV cache, ...) "
     "fits --kv_budget_gb, at most --max_batch_size and the number of requests (rounded up to a "
@@ -182,15 +186,13 @@ def main(argv):
   say(f"mtp-infer: {eng.cfg.batch_size} slots of {eng.cfg.max_len} positions, k={_K.value}, "
       f"decode state {memory.state_bytes(eng.model_cfg, eng.heads_cfg, eng.cfg) / 2**20:.0f}"
       " MiB")
-  if eng.cfg.adaptive:
-    say("mtp-infer: cost table of --k=auto (measured once per machine and slot count, up to a "
-        "minute; then cached)")
-    dec.calibrate(_COSTS.value, force=_CALIBRATE.value)
+  dec.cost_table(_COSTS.value, fresh=_CALIBRATE.value)
   defaults = batch.Defaults(_MAX_NEW.value, _TEMP.value, _TOP_P.value, _TOP_K.value, _PEN.value,
                             _SEED.value)
   name = os.path.basename(os.path.normpath(_MODEL.value))
   progress, state = _progress_callback(_QUIET.value)
-  summary = batch.run_job(dec, _INPUT.value, _OUTPUT.value, defaults, progress, model_name=name)
+  summary = batch.run_job(dec, _INPUT.value, _OUTPUT.value, defaults, progress, model_name=name,
+                          t0=_T0)
   if state["bar"] is not None:
     state["bar"].close()
   say(json.dumps(summary))

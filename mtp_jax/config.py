@@ -274,9 +274,8 @@ class DecodeConfig:
   probe_every: int = 4              # adaptive: the first probe (the end of a plain segment
                                     # drafts one head and checks it against plain decoding)
                                     # after this many plain segments
-  adapt_margin: float = 0.06        # adaptive: draft only when expected to beat plain by this:
-                                    # the cost table's error, twice the spread of c(k) / c(0)
-                                    # between calibrations of one engine (docs/adaptive.md)
+  adapt_margin: float = 0.06        # adaptive: draft only when expected to beat plain by this
+                                    # (the learned costs' error; docs/adaptive.md)
   probe_every_max: int = 64         # adaptive: the probe interval (in segments) doubles after
                                     # each probe that leads to no drafting, up to this (it
                                     # carries across generate calls)

@@ -80,10 +80,10 @@ if [[ $SMOKE == 1 ]]; then
   TESTS=(tests/decoding/test_sampling.py)      # the engine / adaptive tests take minutes on 2 cores
   BENCH_MODEL="${BENCH_MODEL:-widen:1:$REPO/pretrained/demo}"
   BATCHES="${BATCHES:-1,2}"
-  # Fewer compiles: XLA:CPU takes 10-50 s per engine here, adaptive's calibration 1-2 minutes.
+  # Fewer compiles: XLA:CPU takes 10-50 s per engine here.
   MODES="${MODES-vanilla,mtp:2,tree:4}"
   LARGE_MODES="${LARGE_MODES-vanilla,mtp:2}"
-  AUTO_MODES="${AUTO_MODES-}"      # adaptive's calibration: minutes on 2 cores
+  AUTO_MODES="${AUTO_MODES-}"      # adaptive's programs: more compiles on 2 cores
   BENCH_FLAGS=(--max_new_tokens=16 --prompt_tokens=16 --repeats=1 --warmup=0 --roofline=false)
   DEFAULT_LIMITS=(60 300 120 90 120 120)
 else
@@ -141,8 +141,8 @@ EOF
 # $OUT/results.{json,md,png} at the end. Batch 1 measures the chains and trees (MODES); larger
 # batches, where every draft shape lost on the H200, plain decoding and one draft (LARGE_MODES).
 # An empty MODES, LARGE_MODES or AUTO_MODES runs no such process.
-# Adaptive k runs in a process of its own beside plain decoding (its calibration times every
-# chain and tree: a cut there must not take the fixed modes' measurements with it); its
+# Adaptive k runs in a process of its own beside plain decoding (it compiles shapes as it opens
+# them: a cut there must not take the fixed modes' measurements with it); its
 # speedup is paired with that process's own plain runs, whose row the merge leaves out.
 MODES="${MODES-vanilla,mtp:1,mtp:3,tree:4,tree:16}"
 LARGE_MODES="${LARGE_MODES-vanilla,mtp:1}"

@@ -1,7 +1,7 @@
 """Decoding benchmark: modes x batch sizes on the same prompts, measured side by side.
 
 Modes: 'vanilla' (plain decoding, k = 0), 'mtp:K' (K drafts from the MTP heads per step),
-'adaptive' (k chosen on the device from the calibrated cost table and acceptance), 'draft:K'
+'adaptive' (k chosen on the device from the step costs learned while decoding and acceptance), 'draft:K'
 (classic speculative decoding: K drafts from a separate small draft model with its own KV cache)
 and 'ngram:K' (prompt lookup: K drafts copied from the row's own history), 'tree:T' (a token tree
 of T nodes from the heads' top candidates, verified in one pass: shapes.tree_for), 'control'
@@ -26,7 +26,7 @@ decode step: the run's wall time minus the time the host spent blocked waiting f
 (prefill results and drained chunks), divided by the decode steps run; it is the host work on
 the critical path (dispatch, detokenising, refilling), in microseconds.
 
-Roofline (roofline.py): bytes and FLOPs per step against the machine's measured roofs.
+Roofline (decoding/roofline.py): bytes and FLOPs per step against the machine's measured roofs.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from mtp_jax.bench.report import (  # noqa: F401 (API)
   format_vs_best,
   write_outputs,
 )
-from mtp_jax.bench.roofline import kv_read_positions, machine_info, roofs, step_cost  # noqa: F401 (API)
+from mtp_jax.decoding.roofline import kv_read_positions, machine_info, roofs, step_cost  # noqa: F401 (API)
 from mtp_jax.config import Config, DecodeConfig
 from mtp_jax.decoding import memory, shape_set, shapes
 from mtp_jax.formats import checkpoint as ckpt_lib
@@ -170,7 +170,7 @@ def run(model: str, modes: list[str], batch_sizes: list[int], max_new_tokens: in
 
 def _decoder(model, mcfg, hcfg, params, tok, draft, device_mesh, variant, b, longest,
              max_new_tokens, max_len, cost_table, log):
-  """One (mode, attention, kv_dtype) variant's decoder at b slots, calibrated where adaptive
+  """One (mode, attention, kv_dtype) variant's decoder at b slots, with its cost table where adaptive
   and warmed up. log: where to describe its mesh layout (None: not again). -> (decoder,
   seconds to compile)."""
   mode, attention, kv_dtype = variant
@@ -194,7 +194,7 @@ def _decoder(model, mcfg, hcfg, params, tok, draft, device_mesh, variant, b, lon
         f"{sharding_lib.bytes_per_device(dec.engine.init_state()) / 2**20:.1f} MiB")
   t0 = time.perf_counter()
   if k == "auto":
-    dec.calibrate(cost_table)
+    dec.cost_table(cost_table)
   dec.warmup(longest)
   return dec, time.perf_counter() - t0
 

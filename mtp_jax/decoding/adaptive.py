@@ -6,8 +6,8 @@ controller picks
 
   k* = argmax_k  sum over active rows of E[emitted | k]  /  c(k),      k in 0..K_max,
 
-where c(k) is the measured time of one step with k drafts at the engine's slot count (the cost
-table, tables.py) and E[emitted | k] = 1 + sum_{j<=k} prod_{i<=j} alpha_i. alpha_i is the
+where c(k) is the time of one step with k drafts at the engine's slot count, as the host learns
+it from the run's calls (costs.py, one standard error optimistic) and E[emitted | k] = 1 + sum_{j<=k} prod_{i<=j} alpha_i. alpha_i is the
 conditional acceptance at draft position i (accepted, given that every draft before it was):
 the counts of the ring's last accept_window steps, pooled over the rows, blended with a prior by
 their number of trials against the prior's pseudo-trials (Controller.prior_trials). Pooled
@@ -55,7 +55,7 @@ class Controller:
   host's settings, the segment bookkeeping and the prior from earlier runs. The acceptance
   counts it reads are the ring's (DecodeState.record)."""
   cost: jax.Array          # [Kd+1] seconds per step with k drafts
-  k_force: jax.Array       # [] -1: the controller chooses k; else this k (calibration)
+  k_force: jax.Array       # [] -1: the controller chooses k; else this k (tests, benches)
   probe_gap: jax.Array     # [] plain segments between probes (probe_every at the start,
                            # doubling while probes find nothing worth drafting; accept_window
                            # steps after k > 0)
@@ -66,6 +66,8 @@ class Controller:
                            # (-1: unknown)
   prior_trials: jax.Array  # [Kd] the pseudo-trials the prior counts for in a blend with the
                            # window (priors.py; a guess where the rate is unknown: one window)
+  wanted: jax.Array        # [S] int32: per shape, the segments it would have run, were every
+                           # shape compiled (the host compiles those it lacks: Engine.open)
 
 
 def init_controller(kd: int, cost, probe_every: int, window: int, prior=None,
@@ -79,16 +81,19 @@ def init_controller(kd: int, cost, probe_every: int, window: int, prior=None,
   return Controller(
       cost=jnp.asarray(cost, jnp.float32), k_force=jnp.asarray(-1, jnp.int32),
       probe_gap=jnp.asarray(probe_every, jnp.int32), plain_segs=jnp.zeros((), jnp.int32),
-      seg_k=jnp.zeros((), jnp.int32), prior_rate=prior, prior_trials=m)
+      seg_k=jnp.zeros((), jnp.int32), prior_rate=prior, prior_trials=m,
+      wanted=jnp.zeros(jnp.shape(cost), jnp.int32))
 
 
 def choose(state, limit_B, allowed_S, window: int, margin: float, ss: ShapeSet | None = None,
-           closed=False):
+           closed=False, room_S=None):
   """The controller's shape for the next segment (an index of ss: k <= Kd a chain of k drafts,
   past it a tree), on the device, from the decode state (its ring, rows, drafts' confidences and
   the controller's own state); a forced index (k_force) becomes the largest allowed one not
   above it. limit_B: per row, the drafts it may be expected to verify (none without a fresh
-  draft). closed: no request will take a slot (the end of the job counts)."""
+  draft). closed: no request will take a slot (the end of the job counts). -> (the shape among
+  allowed_S, the shape among room_S (default allowed_S): what would run were every shape
+  compiled)."""
   c, rows = state.controller, state.rows
   kd = state.drafts.conf.shape[1]
   ss = ShapeSet(kd) if ss is None else ss
@@ -108,13 +113,18 @@ def choose(state, limit_B, allowed_S, window: int, margin: float, ss: ShapeSet |
   own_BK = jnp.where(cut, own_BK, 0.0)
   active = ~rows.done
   expected_S = jnp.sum(jnp.where(active[:, None], ss.expected(alpha_BK, cut), 0.0), 0)
-  k = jnp.where(closed,
-                choose_k_to_finish(c.cost, own_BK, active, rows.remaining, margin, allowed_S,
-                                   ss.expected(own_BK, cut)),
-                choose_k(c.cost, expected_S, margin, allowed_S))
+  own_S = ss.expected(own_BK, cut)
+
+  def pick(ok_S):
+    return jnp.where(closed, choose_k_to_finish(c.cost, own_BK, active, rows.remaining, margin,
+                                                ok_S, own_S),
+                     choose_k(c.cost, expected_S, margin, ok_S))
+  k = pick(allowed_S)
+  want = k if room_S is None else pick(room_S)
   index = jnp.arange(ss.size)
   forced = jnp.max(jnp.where(allowed_S & (index <= c.k_force), index, 0))
-  return jnp.where(c.k_force >= 0, forced, k).astype(jnp.int32)
+  k = jnp.where(c.k_force >= 0, forced, k).astype(jnp.int32)
+  return k, jnp.where(c.k_force >= 0, k, want).astype(jnp.int32)
 
 
 def prior_weight(c: Controller, active_B):
@@ -275,13 +285,3 @@ def choose_k_to_finish(cost_K1, alpha_BK, active_B, remaining_B, margin: float =
     t = jnp.where(allowed_K1, t, jnp.inf)
   best = jnp.argmin(t)
   return jnp.where(t[best] * (1.0 + margin) < t[0], best, 0).astype(jnp.int32)
-
-
-def viable_ks(cost_K1, margin: float = 0.0) -> tuple[int, ...]:
-  """The k that the controller may ever choose under this cost table: 0, and each k > 0 that
-  would beat plain decoding by more than `margin` if every draft were accepted,
-  (k + 1) / c(k) > (1 + margin) / c(0). The adaptive loop compiles only these variants, and
-  none but plain decoding where the batch makes every step compute bound. Host side."""
-  c0 = float(cost_K1[0])
-  return (0,) + tuple(k for k in range(1, len(cost_K1))
-                      if (k + 1) * c0 > (1.0 + margin) * float(cost_K1[k]))

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax.config import DecodeConfig, HeadsConfig, ModelConfig
-from mtp_jax.decoding import adaptive, drafters, sampling, shape_set, tables
+from mtp_jax.decoding import drafters, sampling, shape_set
 from mtp_jax.decoding import loop as loop_lib
 from mtp_jax.decoding import state as state_lib
 from mtp_jax.decoding import step as step_lib
@@ -73,9 +73,15 @@ class Engine:
     # from it): a fixed shape verifies span + 1 tokens a row every step; adaptive k's plain steps
     # unembed one row a slot.
     self.unembed_rows = self.cfg.batch_size * (1 if self.cfg.adaptive else self.span + 1)
-    # Seconds per step for each shape (k = 0..Kd, then trees); until calibrated, equal costs
-    # (the controller then only weighs expected tokens).
+    # Seconds per step for each shape (k = 0..Kd, then trees), set by the host (costs.py);
+    # until then equal costs (the controller then only weighs expected tokens).
     self.cost = [1.0] * self.n_shapes
+    # Adaptive k's shapes compiled besides plain decoding (ks): every shape unless the host
+    # narrows it and opens shapes as the controller wants them (api.Decoder).
+    self.opened = set(range(1, self.n_shapes))
+    # Adaptive k's programs compiled behind the run (programs.py; set by the host that opens
+    # shapes as the run goes); None: each compiled when first called.
+    self.programs = None
     self.dtype = model_lib.compute_dtype(model_cfg)
     # The trunk's (and a draft model's) KV cache: storage dtype, how attention reads it.
     self.cache_args = (kv.storage_dtype(self.cfg.kv_dtype, self.dtype), self.cfg.attention,
@@ -100,8 +106,7 @@ class Engine:
                            out_shardings=out)
     self._generate = jax.jit(self._generate_impl, static_argnames=("sample", "ks"),
                              donate_argnames=("state",), out_shardings=out)
-    self._stays_plain = jax.jit(functools.partial(loop_lib.stays_plain, self),
-                                static_argnums=3)
+    self._stays_plain = jax.jit(functools.partial(loop_lib.stays_plain, self))
     self._cancel = jax.jit(
         lambda state, mask: state.replace(rows=state.rows.replace(done=state.rows.done | mask)),
         donate_argnums=0, out_shardings=out)
@@ -172,32 +177,20 @@ class Engine:
       b *= 2
     return min(b, cap)
 
-  def calibrate(self, params, table_path: str | None = None, force: bool = False) -> list[float]:
-    """Sets the cost table c(k), k = 0..Kd: read from table_path (by device kind, model, slot
-    count) unless `force`, else measured now and stored there."""
-    path = table_path or tables.default_table_path()
-    key = tables.table_key(self)
-    cost = None if force else tables.load_table(path, key)
-    if cost is None or len(cost) != self.n_shapes:
-      self.cost = [1.0] * self.n_shapes        # every shape compiled, for the measurement
-      cost, info = tables.measure_costs(self, params)
-      tables.save_table(path, key, cost, **info)
-    self.cost = cost
-    return cost
-
   @property
   def ks(self) -> tuple[int, ...] | None:
-    """Adaptive k: the shapes (indices: k = 0..Kd, then trees) the controller may choose under
-    the cost table (adaptive.viable_ks, ShapeSet.viable), the step variants the adaptive loop
-    compiles; None for a fixed-k engine."""
+    """Adaptive k: the shapes (indices: k = 0..Kd, then trees) the adaptive loop compiles: plain
+    decoding and the opened ones (open); None for a fixed-k engine."""
     if not self.cfg.adaptive:
       return None
-    key = tuple(float(c) for c in self.cost)
-    if getattr(self, "_ks", (None,))[0] != key:   # once per cost table, not per call
-      margin = self.cfg.adapt_margin
-      chains = adaptive.viable_ks(self.cost[:self.kd + 1], margin)
-      self._ks = key, self.shape_set.viable(self.cost, chains, margin)
-    return self._ks[1]
+    return (0,) + tuple(sorted(self.opened - {0}))
+
+  def open(self, shapes) -> bool:
+    """Adds shapes to those compiled (the next generate call compiles them). -> whether any
+    was new."""
+    new = set(int(s) for s in shapes) - self.opened - {0}
+    self.opened |= new
+    return bool(new)
 
   def stays_plain(self, prior=None, prior_trials=None) -> bool:
     """Adaptive k: whether a run from this prior (init_state's) can never leave plain decoding
@@ -205,7 +198,7 @@ class Engine:
     if not self.cfg.adaptive:
       return False
     prior, m = self._prior(prior, prior_trials)
-    return bool(self._stays_plain(self.cost_array(self.cost), prior, m, self.ks))
+    return bool(self._stays_plain(self.cost_array(self.cost), prior, m))
 
   def buckets(self, max_prompt_len: int | None = None) -> list[int]:
     top = self.bucket(max_prompt_len or self.cfg.max_len - self.span - 1)
@@ -232,6 +225,8 @@ class Engine:
           state = self.insert(prefix, state, list(range(n)), [2] * n, [t] * n, [0] * n,
                               [1.0] * n, [1.0] * n)
     for sample in (False, True):
+      if self.programs is not None:
+        self.programs.compile_now(self._args(params, state, 1), sample, self.ks)
       state = self.generate(params, state, 1, sample=sample)
     state = self.cancel(state, np.zeros((self.cfg.batch_size,), bool))
     jax.block_until_ready(state)
@@ -340,7 +335,7 @@ class Engine:
     head's top candidates where the state holds them (a loop with no tree drafts the best
     token alone)."""
     return step_lib.step(self.step_cfg, self.drafter_impl, m, dm, state, self.shape(k), sample,
-                         n_draft, want_conf, ranked)
+                         n_draft, want_conf, ranked, index=k if self.tree is None else None)
 
   def _generate_impl(self, params, unembed, state: DecodeState, num_steps, refill, idle_steps,
                      closed, sample: bool, ks: tuple[int, ...] | None = None):
@@ -362,9 +357,14 @@ class Engine:
     if sample is None:
       sp = state.sampling
       sample = needs_sampling(np.asarray(sp.temperature), np.asarray(sp.penalty))
-    return self._generate(params, self.unembed(params), state, np.int32(num_steps),
-                          np.int32(refill), np.float32(idle_steps), np.bool_(closed),
-                          sample=sample, ks=self.ks)
+    args = self._args(params, state, num_steps, refill, idle_steps, closed)
+    if self.programs is not None:     # adaptive k: programs compiled behind the run
+      return self.programs.run(args, sample, self.ks)
+    return self._generate(*args, sample=sample, ks=self.ks)
+
+  def _args(self, params, state, num_steps, refill=0, idle_steps=float("inf"), closed=False):
+    return (params, self.unembed(params), state, np.int32(num_steps), np.int32(refill),
+            np.float32(idle_steps), np.bool_(closed))
 
 
 def needs_sampling(temperature, penalty) -> bool:

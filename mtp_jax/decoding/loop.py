@@ -53,7 +53,7 @@ def _lazily(ask, evaluate, default=False):
   """evaluate() where ask, else default: the controller's evaluations (choose_k, worth_probing)
   cost ~100 us a pair on XLA:CPU at 4 slots, about an eighth of a plain step, and a call inside
   a plain run needs none."""
-  return jax.lax.cond(ask, evaluate, lambda: jnp.asarray(default))
+  return jax.lax.cond(ask, evaluate, lambda: jax.tree.map(jnp.asarray, default))
 
 
 def controller_limit(eng, state: DecodeState):
@@ -67,9 +67,9 @@ def controller_limit(eng, state: DecodeState):
   return jnp.where((fresh > 0) & (lim >= fresh), eng.kd, lim).astype(jnp.int32)
 
 
-def allowed(eng, state: DecodeState, ks: tuple[int, ...]):
-  """-> [n_shapes] bool: the shapes of ks the controller may choose for the segment that begins
-  at state: a chain always (every row keeps Kd+1 positions free); a tree of T nodes only where
+def room(eng, state: DecodeState):
+  """-> [n_shapes] bool: the shapes the segment that begins at state may run, were they all
+  compiled: a chain always (every row keeps Kd+1 positions free); a tree of T nodes only where
   the longest active row, grown by Kd+1 tokens in each of the segment's other steps, still has T
   positions past its last token (rows keep no room for adaptive k's trees, so a long context
   keeps every position a chain can use)."""
@@ -77,26 +77,31 @@ def allowed(eng, state: DecodeState, ks: tuple[int, ...]):
   size = np.asarray([eng.shape(i).size for i in range(n)])
   longest = jnp.max(jnp.where(state.rows.done, 0, state.rows.length))
   reach = longest + (eng.cfg.adapt_every - 1) * (kd + 1)
-  room = (jnp.arange(n) <= kd) | (reach + size <= eng.cfg.max_len)
-  return jnp.isin(jnp.arange(n), jnp.asarray(ks)) & room
+  return (jnp.arange(n) <= kd) | (reach + size <= eng.cfg.max_len)
 
 
-def choose_k(eng, state: DecodeState, ks: tuple[int, ...], closed, allowed_S=None):
+def allowed(eng, state: DecodeState, ks: tuple[int, ...]):
+  """-> [n_shapes] bool: the shapes of ks (those compiled) that `room` leaves."""
+  return jnp.isin(jnp.arange(eng.n_shapes), jnp.asarray(ks)) & room(eng, state)
+
+
+def choose_k(eng, state: DecodeState, ks: tuple[int, ...], closed):
   """The controller's shape index for the segment, on the device (adaptive.choose), one of ks
-  that `allowed` leaves (allowed_S: already computed). closed: no request will take a slot."""
-  allowed_S = allowed(eng, state, ks) if allowed_S is None else allowed_S
-  return adaptive.choose(state, controller_limit(eng, state), allowed_S, eng.cfg.accept_window,
-                         eng.cfg.adapt_margin, eng.shape_set, closed)
+  that `allowed` leaves, and the one it would choose among every shape with room (what the host
+  compiles next where ks lacks it). closed: no request will take a slot. -> (index, wanted)."""
+  return adaptive.choose(state, controller_limit(eng, state), allowed(eng, state, ks),
+                         eng.cfg.accept_window, eng.cfg.adapt_margin, eng.shape_set, closed,
+                         room(eng, state))
 
 
-def worth_probing(eng, state: DecodeState, ks: tuple[int, ...]):
-  """Whether a probe could lead the controller to draft (adaptive.worth_probing)."""
-  allowed_S = jnp.isin(jnp.arange(eng.n_shapes), jnp.asarray(ks))
-  return adaptive.worth_probing(state, allowed_S, eng.cfg.accept_window, eng.cfg.adapt_margin,
-                                eng.shape_set)
+def worth_probing(eng, state: DecodeState):
+  """Whether a probe could lead the controller to draft (adaptive.worth_probing), in any shape
+  (one not compiled yet is, once the controller wants it)."""
+  return adaptive.worth_probing(state, jnp.ones((eng.n_shapes,), bool), eng.cfg.accept_window,
+                                eng.cfg.adapt_margin, eng.shape_set)
 
 
-def stays_plain(eng, cost, prior, prior_trials, ks: tuple[int, ...]):
+def stays_plain(eng, cost, prior, prior_trials):
   """-> [] bool: whether a run whose controller starts from this prior can never leave plain
   decoding: no probe would be worth making even with one row active (the prior's widest error,
   adaptive.prior_weight) and the window empty, as it stays in a run that neither drafts nor
@@ -104,7 +109,7 @@ def stays_plain(eng, cost, prior, prior_trials, ks: tuple[int, ...]):
   so such a run decodes plainly throughout, and a plain engine can run it (api.Decoder.run)."""
   c = adaptive.init_controller(eng.kd, cost, eng.cfg.probe_every, eng.cfg.accept_window, prior,
                                prior_trials)
-  allowed_S = jnp.isin(jnp.arange(eng.n_shapes), jnp.asarray(ks))
+  allowed_S = jnp.ones((eng.n_shapes,), bool)
   zero_K = jnp.zeros((eng.kd,), jnp.float32)
   m_K = adaptive.prior_weight(c, jnp.ones((1,), bool))
   return ~adaptive.optimistic_pays(c, zero_K, zero_K, m_K, allowed_S, eng.cfg.adapt_margin,
@@ -155,9 +160,12 @@ class Loop:
   # ------------------------------------------------------------------ adaptive k
 
   def adaptive(self, state: DecodeState) -> DecodeState:
-    """Rounds of loops, one per step variant: (shape k, drafts made nd, while what holds)."""
-    if max(self.ks) == 0:   # no k can pay under the cost table (adaptive.viable_ks): plain
-      return self.fixed(state, 0, 0)
+    """Rounds of loops, one per step variant: (shape k, drafts made nd, while what holds). A
+    program of one shape runs it alone, with no controller (programs.py: while the engine's
+    program compiles)."""
+    if len(self.ks) == 1:
+      k = self.ks[0]
+      return self.fixed(state, k, self.eng.depth(k) if k else 0)
     every = self.every
     late = lambda st: st.record.step % every >= every - 2      # a probe's drafting steps
     loops = [(k, self.eng.depth(k), lambda s, k=k: s.kc == k) for k in sorted(self.ks[1:])[::-1]]
@@ -188,12 +196,19 @@ class Loop:
     ok_S = allowed(self.eng, st, self.ks)
     cont = ((st.record.step % self.every > 0) & (c.seg_k > 0) & (c.k_force < 0) & ok_S[c.seg_k])
     ask = self.fresh(st) | (c.k_force >= 0)
-    chosen = _lazily(~cont & ask, lambda: choose_k(self.eng, st, self.ks, self.closed, ok_S),
-                     self.zero)
+    chosen, st = self.ask(~cont & ask, st)
     kc = jnp.where(cont, c.seg_k, chosen)
     probe, hopeless = self.probes(st, kc, jnp.asarray(False))
     return _Carry(i=self.zero, kc=kc, probe=probe, hopeless=hopeless,
                   st=_set_controller(st, seg_k=kc), ran=jnp.asarray(True))
+
+  def ask(self, ask, st: DecodeState):
+    """The controller's shape where `ask` (else plain decoding), its wish among every shape
+    counted in the controller (Controller.wanted). -> (shape index, st)."""
+    k, want = _lazily(ask, lambda: choose_k(self.eng, st, self.ks, self.closed),
+                      (self.zero, self.zero))
+    c = st.controller
+    return k, _set_controller(st, wanted=c.wanted.at[want].add(ask.astype(jnp.int32)))
 
   def fresh(self, st: DecodeState) -> jax.Array:
     """Whether the controller could choose k > 0: some active row holds a fresh draft, or the
@@ -210,7 +225,7 @@ class Loop:
     the call, hopeless). -> (probe, hopeless)."""
     c = st.controller
     due = (kc == 0) & (c.plain_segs + 1 >= c.probe_gap) & (c.k_force < 0) & ~hopeless
-    worth = _lazily(due, lambda: worth_probing(self.eng, st, self.ks))
+    worth = _lazily(due, lambda: worth_probing(self.eng, st))
     return due & worth, hopeless | (due & ~worth)
 
   def segment_step(self, c: "_Carry", k: int, nd: int) -> "_Carry":
@@ -221,10 +236,11 @@ class Loop:
                        ranked=self.ranked)
     c = c.replace(i=c.i + 1, st=st)
     ends = st.record.step % self.every == 0
-    kc, probe, hopeless, gap, segs = jax.lax.cond(
+    ctrl = st.controller
+    kc, probe, hopeless, gap, segs, wanted = jax.lax.cond(
         ends, lambda: self.next_segment(c, k),
-        lambda: (c.kc, c.probe, c.hopeless, st.controller.probe_gap, st.controller.plain_segs))
-    st = _set_controller(st, probe_gap=gap, plain_segs=segs, seg_k=kc)
+        lambda: (c.kc, c.probe, c.hopeless, ctrl.probe_gap, ctrl.plain_segs, ctrl.wanted))
+    st = _set_controller(st, probe_gap=gap, plain_segs=segs, seg_k=kc, wanted=wanted)
     return c.replace(kc=kc, probe=probe, hopeless=hopeless, st=st)
 
   def next_segment(self, c: "_Carry", k: int):
@@ -232,7 +248,7 @@ class Loop:
     segment the next probe comes once the rates that made it have left the window; after a
     probe the gap doubles, up to probe_every_max; a plain segment counts), then the next
     segment's shape (the controller asked where it could choose k > 0) and whether it probes.
-    -> (kc, probe, hopeless, probe_gap, plain_segs)."""
+    -> (kc, probe, hopeless, probe_gap, plain_segs, wanted)."""
     cfg, st = self.eng.cfg, c.st
     ctrl = st.controller
     if k > 0:
@@ -245,9 +261,9 @@ class Loop:
     st = _set_controller(st, probe_gap=gap, plain_segs=segs)
     # A forced k keeps its shape (a drafting one is checked against the rows' room).
     ask = (self.fresh(st) & (ctrl.k_force < 0)) | (k > 0)
-    kc = _lazily(ask, lambda: choose_k(self.eng, st, self.ks, self.closed), self.zero)
+    kc, st = self.ask(ask, st)
     probe, hopeless = self.probes(st, kc, c.hopeless)
-    return kc, probe, hopeless, gap, segs
+    return kc, probe, hopeless, gap, segs, st.controller.wanted
 
 
 @struct.dataclass

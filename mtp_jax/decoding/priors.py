@@ -76,7 +76,7 @@ class Counts:
 
 class Priors:
   """A decoder's priors: its runs' counts, greedy (False) and sampled (True) apart, and where
-  they are stored for later processes (set by Decoder.calibrate). window: what a guess counts
+  they are stored for later processes (set by Decoder.cost_table). window: what a guess counts
   for in the controller (DecodeConfig.accept_window), and so a rate one request measured."""
 
   def __init__(self, kd: int, window: float):

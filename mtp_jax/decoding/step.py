@@ -47,7 +47,8 @@ def row_limit(sc: StepConfig, drafts: Drafts):
 
 
 def step(sc: StepConfig, drafter, m, dm, state: DecodeState, shape: Chain | Tree, sample: bool,
-         n_draft: int | None = None, want_conf: bool = True, ranked: bool = True) -> DecodeState:
+         n_draft: int | None = None, want_conf: bool = True, ranked: bool = True,
+         index: int | None = None) -> DecodeState:
   """One step verifying `shape` (static), then drafting n_draft (default Kd) for the next one.
 
   The adaptive loop drafts only what the next step of the same k may verify (none in a plain
@@ -57,6 +58,7 @@ def step(sc: StepConfig, drafter, m, dm, state: DecodeState, shape: Chain | Tree
   (DraftSpec.conf_cols). m, dm: the bound target and draft models (dm None but for a draft model).
   A tree's k is its depth: the drafts a step may accept. ranked: where the drafts hold each
   head's top candidates ([B, Kd, R]: trees), draft them all (else the best alone, at rank 0).
+  index: what the ring records as the step's k_used (adaptive k: the shape's index; default k).
   """
   tree = shape if isinstance(shape, Tree) else None
   k = shape.k if tree is None else tree.max_depth
@@ -105,7 +107,8 @@ def step(sc: StepConfig, drafter, m, dm, state: DecodeState, shape: Chain | Tree
   if tree is not None and sc.adaptive:   # what the tree's rank-0 chain accepted (shape_set.py)
     n_rec, k_rec = tree_verify.chain_accepted(tree, path_BD), jnp.minimum(
         k_row, shape_set.chain_depth(tree))
-  record, reached_BK, hit_BK = _record(sc, state, n_rec, n_emit, out_BT, k_rec, k,
+  record, reached_BK, hit_BK = _record(sc, state, n_rec, n_emit, out_BT, k_rec,
+                                       k if index is None else index,
                                        verified_by_trunk=not checked)
   rows = rows.replace(steps=rows.steps + active.astype(jnp.int32),
                       emitted=rows.emitted + n_emit)
@@ -254,7 +257,8 @@ def _draft_next(sc, drafter, m, dm, inp: DraftInput, old: Drafts, nd: int, sampl
 
 
 def _record(sc, state, n, n_emit, out_BT, k_row, k: int, verified_by_trunk: bool = True):
-  """The step's ring entry and the run's per-position counters. -> (Record, per row and draft
+  """The step's ring entry (k: the shape's index, its ring's k_used) and the run's per-position
+  counters. -> (Record, per row and draft
   position: reached [B, Kd], accepted there [B, Kd]). A probe's check (not verified_by_trunk)
   goes to the ring and the conditional counts, not to drafted / accepted (drafts the trunk
   verified)."""

@@ -1,7 +1,7 @@
-"""What adaptive k keeps on disk and measures on the host: the cost table c(k) (per device kind,
-model, slot count and code), the acceptance earlier runs of a model saw (the controller's
-prior), and the summary of a finished run that feeds it. One JSON file,
-default ~/.cache/mtp_jax/cost_tables.json ($XDG_CACHE_HOME respected).
+"""What adaptive k keeps on disk: the step costs a run learned (per device kind, model, slot
+count and code: the next process's start, costs.py), the machine's roofs, the acceptance earlier
+runs of a model saw (the controller's prior), and the summary of a finished run that feeds it.
+One JSON file, default ~/.cache/mtp_jax/cost_tables.json ($XDG_CACHE_HOME respected).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax.decoding import adaptive
 from mtp_jax.formats import cache_dir
 
 # ----------------------------------------------------------------------------- a run's summaries
@@ -42,7 +41,7 @@ def run_rates(trials_K, hits_K, min_trials: int = 16) -> list[float]:
 _COST_FILES = ("decoding/adaptive.py", "models/attention.py", "models/cache.py",
                "decoding/engine.py", "decoding/loop.py", "models/layers.py", "models/model.py",
                "decoding/sampling.py", "decoding/ring.py", "decoding/step.py",
-               "decoding/tree_verify.py", "decoding/tables.py")
+               "decoding/tree_verify.py", "decoding/costs.py")
 
 
 def _code_version() -> str:
@@ -58,7 +57,7 @@ def _code_version() -> str:
   return h.hexdigest()[:8]
 
 
-def _runtime() -> str:
+def runtime() -> str:
   """What else sets a step's cost on the same device kind: the jax version, the XLA flags, the
   devices and (on CPU) the cores this process may use. A table measured with one XLA thread is
   wrong for a run with two, and the reverse."""
@@ -78,14 +77,14 @@ def table_key(engine) -> str:
       else "none"
   return f"{dev.platform}:{getattr(dev, 'device_kind', '')}|model={model}|slots={d.batch_size}" \
          f"|max_len={d.max_len}|k_max={engine.kd}|trees={trees}|adapt_every={d.adapt_every}" \
-         f"|code={_code_version()}|{_runtime()}"
+         f"|code={_code_version()}|{runtime()}"
 
 
 def default_table_path() -> str:
   return os.path.join(cache_dir.root(), "cost_tables.json")
 
 
-def _load_entry(path: str, key: str):
+def load_entry(path: str, key: str):
   try:
     with open(path) as f:
       return json.load(f).get(key)
@@ -93,7 +92,7 @@ def _load_entry(path: str, key: str):
     return None
 
 
-def _save_entry(path: str, key: str, entry: dict):
+def save_entry(path: str, key: str, entry: dict):
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   try:
     with open(path) as f:
@@ -109,13 +108,18 @@ def _save_entry(path: str, key: str, entry: dict):
   os.replace(tmp, path)
 
 
-def load_table(path: str, key: str):
-  entry = _load_entry(path, key)
-  return None if entry is None else [float(x) for x in entry["cost_s"]]
+def load_table(path: str, key: str, n: int):
+  """-> the stored costs of n shapes (costs.CostModel.stored), or None."""
+  entry = load_entry(path, key)
+  try:
+    ok = len(entry["cost_s"]) == n and all(float(c) > 0 for c in entry["cost_s"])
+  except (KeyError, TypeError, ValueError):
+    return None
+  return entry if ok else None
 
 
-def save_table(path: str, key: str, cost: list[float], **info):
-  _save_entry(path, key, {"cost_s": cost, **info})
+def save_table(path: str, key: str, entry: dict):
+  save_entry(path, key, entry)
 
 
 # ----------------------------------------------------------------------------- stored acceptance
@@ -128,6 +132,9 @@ def params_fingerprint(params) -> str:
   h = hashlib.sha1()
   for leaf in jax.tree.leaves(params):
     leaf = jnp.asarray(leaf)
+    on_cpu = all(d.platform == "cpu" for d in leaf.devices()) and leaf.is_fully_addressable
+    if on_cpu:                       # the host's own memory: no device op per leaf
+      leaf = np.asarray(leaf)
     row = leaf[(0,) * (leaf.ndim - 1)] if leaf.ndim else leaf[None]
     head = np.asarray(jax.device_get(row[:64]), np.float32)
     h.update(repr((leaf.shape, str(leaf.dtype))).encode())
@@ -149,7 +156,7 @@ def rates_key(engine, fingerprint: str, sampled: bool) -> str:
 def load_rates(path: str, key: str):
   """-> (the stored acceptance per draft position (-1 where unknown), the pseudo-trials each
   counts for), or None."""
-  entry = _load_entry(path, key)
+  entry = load_entry(path, key)
   try:
     rates, trials = [float(x) for x in entry["rates"]], [float(x) for x in entry["trials"]]
   except (KeyError, TypeError, ValueError):
@@ -160,7 +167,7 @@ def load_rates(path: str, key: str):
 def save_rates(path: str, key: str, rates: list[float], trials: list[float]):
   """rates: the conditional acceptance per draft position (-1: unknown); trials: the
   pseudo-trials each counts for (priors.prior_trials)."""
-  _save_entry(path, key, {"rates": [round(float(r), 4) for r in rates],
+  save_entry(path, key, {"rates": [round(float(r), 4) for r in rates],
                           "trials": [round(float(t), 1) for t in trials]})
 
 
@@ -175,85 +182,3 @@ def monotone(cost: list[float]) -> list[float]:
       (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
       blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
   return [m for m, n in blocks for _ in range(n)]
-
-
-def measure_costs(engine, params, rel_err: float = 0.02, budget_s: float = 60.0,
-                  min_rounds: int = 10, max_rounds: int = 400, steps: int = 32):
-  """Seconds per step with k = 0..K_max drafts (then each of adaptive k's trees: index k > K_max
-  of engine.shape), every slot active: warm, `steps` steps per
-  run, every k once per round (in alternating order). The controller only weighs costs against
-  each other, so c(k) is the median over rounds of c(k) / c(0) within the round (a slow spell
-  of a shared machine slows a whole round alike) times the median c(0); rows start from random
-  prompts of calibration_length tokens, so that they sit about the cache's middle; made
-  non-decreasing in k (see monotone). One run's time on a shared machine is off by several
-  percent, and a table off by 8% in c(3) / c(1) turns the controller to the wrong k: rounds go
-  on until the standard error of every ratio is below rel_err, or budget_s has passed (after
-  min_rounds).
-  A tree that could not be chosen even at a cost two standard errors below its estimate
-  (ShapeSet.viable at the model's rates) is measured no further: its precision changes nothing,
-  and where a step of T+1 tokens costs far more than one (XLA:CPU) the trees would take most of
-  every round.
-  -> (cost [K+1], {"rounds", "rel_se": the largest standard error of a ratio still measured,
-  "dropped": the trees no longer measured})."""
-  b, k1 = engine.cfg.batch_size, engine.n_shapes
-  steps = min(steps, engine.cfg.ring_size)
-  rng = np.random.default_rng(0)
-  prompts = [list(rng.integers(0, engine.model_cfg.vocab_size, calibration_length(engine, steps)))
-             for _ in range(b)]
-  prefix = engine.prefill(params, prompts, jax.random.key(0), [0.0] * b, [0] * b, [1.0] * b)
-
-  def one(k):
-    state = engine.insert(prefix, engine.init_state(), list(range(b)), engine.cfg.max_len,
-                          0.0, 0, 1.0)
-    state = engine.put(state, k_force=k)
-    jax.block_until_ready(state)
-    t0 = time.perf_counter()
-    state = engine.generate(params, state, steps, sample=False)
-    ran = int(state.record.step)
-    return (time.perf_counter() - t0) / max(ran, 1)
-
-  for k in range(k1):                                # compiles / warms up
-    one(k)
-  rows, se, start, live = [], float("inf"), time.perf_counter(), list(range(k1))
-  while len(rows) < max_rounds:
-    row = [float("nan")] * k1
-    for k in (live if len(rows) % 2 == 0 else live[::-1]):
-      row[k] = one(k)
-    rows.append(row)
-    n = len(rows)
-    if n >= min_rounds:
-      if n >= 2:
-        t = np.asarray(rows)                                     # [rounds, shapes]
-        lr = np.log(t[:, 1:] / t[:, :1])
-        # of a median; 0 for an engine without drafts (nothing to weigh against c(0))
-        se_S = 1.2533 * np.nanstd(lr, axis=0, ddof=1) / np.sqrt(np.sum(~np.isnan(lr), 0))
-        keep = _still_viable(engine, t, se_S)
-        live = [k for k in live if k <= engine.kd or k in keep]
-        se = float(np.max(se_S[np.asarray(live[1:], int) - 1], initial=0.0))
-      if se < rel_err or time.perf_counter() - start > budget_s:
-        break
-  t = np.asarray(rows).T                                         # [shapes, rounds]
-  cost = [float(np.median(t[0]) * np.nanmedian(t[k] / t[0])) for k in range(k1)]
-  cost = monotone(cost[:engine.kd + 1]) + cost[engine.kd + 1:]       # chains, then trees
-  return cost, {"rounds": len(rows), "rel_se": round(se, 4),
-                "dropped": [k for k in range(engine.kd + 1, k1) if k not in live]}
-
-
-def calibration_length(engine, steps: int) -> int:
-  """The prompt length the cost table is timed from: rows then sit about the middle of the
-  cache over the timed steps (random tokens: about one token a step), where a run's rows sit on
-  average, since blocked attention reads the live positions and a step of k drafts attends k + 1
-  queries, so c(k) / c(0) grows with the context (16 slots, demo model, 210 positions: c(2) /
-  c(0) 2.10 from 8 tokens, 2.20-2.38 from 96)."""
-  cap = engine.cfg.max_len - engine.span - 1
-  return int(max(8, min(engine.cfg.max_len // 2 - steps // 2, cap)))
-
-
-def _still_viable(engine, t, se_S) -> tuple[int, ...]:
-  """The trees that ShapeSet.viable keeps at costs two standard errors below their estimates
-  (the chains' at their estimates), from the rounds so far t [rounds, shapes]."""
-  ratio = np.nanmedian(t / t[:, :1], axis=0)
-  kd, margin = engine.kd, engine.cfg.adapt_margin
-  low = np.concatenate([ratio[:kd + 1], ratio[kd + 1:] * np.exp(-2.0 * se_S[kd:])])
-  chains = adaptive.viable_ks(monotone(list(ratio[:kd + 1])), margin)
-  return engine.shape_set.viable(low, chains, margin)

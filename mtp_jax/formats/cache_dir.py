@@ -1,8 +1,8 @@
 """What mtp-jax keeps between runs, under $XDG_CACHE_HOME/mtp_jax (~/.cache/mtp_jax): the adaptive
-cost tables and acceptance rates (tables.py) and XLA's compiled programs.
+learned step costs, roofs and acceptance rates (tables.py) and XLA's compiled programs.
 
 A decoder compiles its programs per draft shape set and batch size (10-50 s on 2 CPU cores,
-27-33 s each on an H200, minutes for adaptive k with its calibration); mtp-infer, mtp-train and
+27-33 s each on an H200); mtp-infer, mtp-train and
 `make demo` point jax's persistent compilation cache here, so that the second run of a command
 loads them (docs/batch.md measures what that saves). jax keys each entry by the program, the jax
 and XLA versions, the device and the XLA flags, so a changed model or a new jax compiles afresh.
@@ -35,7 +35,7 @@ def enable_compilation_cache() -> str | None:
       if config.jax_compilation_cache_max_size == -1 and importlib.util.find_spec("filelock"):
         config.update("jax_compilation_cache_max_size", CACHE_BYTES)
       # Every program, not only those over jax's default 1 s: a run's many small ones (prefill,
-      # insert, the calibration's steps) add up to a quarter of `make demo`'s time.
+      # insert) add up to a quarter of `make demo`'s time.
       config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return config.jax_compilation_cache_dir
   except AttributeError:

@@ -16,12 +16,12 @@ import time
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax import config as config_lib
 from mtp_jax import sharding as sharding_lib
 from mtp_jax.config import DecodeConfig
+from mtp_jax.decoding import costs as costs_lib
 from mtp_jax.decoding import engine as engine_lib
 from mtp_jax.decoding import priors as priors_lib
 from mtp_jax.decoding import ring as ring_lib
@@ -29,30 +29,8 @@ from mtp_jax.decoding import shape_set, shapes, tables
 from mtp_jax.decoding import state as state_lib
 from mtp_jax.formats import checkpoint as ckpt_lib
 from mtp_jax.serving import refill as refill_lib
-
-
-@dataclasses.dataclass
-class Completion:
-  text: str
-  token_ids: list[int]
-  finish_reason: str          # 'stop' (end token) or 'length' (max_new_tokens or full context)
-  prompt_tokens: int
-  steps: int                  # decode steps (the first token comes from prefill)
-  acceptance_length: float    # tokens emitted per decode step
-  ttft_s: float = 0.0         # from the start of run() to the host holding the first token
-  latency_s: float = 0.0      # from the start of run() to the host holding the last token
-
-
-@dataclasses.dataclass
-class Request:
-  prompt_ids: list[int]
-  max_new_tokens: int = 128
-  temperature: float = 0.0
-  top_k: int = 0
-  top_p: float = 1.0
-  repetition_penalty: float = 1.0
-  stop: tuple[str, ...] = ()     # the text ends before the first of these strings
-  seed: int | None = None        # the row's own PRNG seed (None: derived from the run's seed)
+from mtp_jax.serving import slots as slots_lib
+from mtp_jax.serving.slots import Completion, Request  # noqa: F401  (the API's types)
 
 
 class Decoder:
@@ -86,6 +64,11 @@ class Decoder:
     self.priors = priors_lib.Priors(self.engine.kd, decode_cfg.accept_window)
     self._fingerprint: str | None = None
     self.last_timing: dict = {}
+    # Adaptive k's host side (costs.Learner): the step costs learned from the calls, the shapes
+    # compiled; where they are kept (cost_table).
+    self.learner: costs_lib.Learner | None = None
+    self.table_path: str | None = None
+    self._fresh = False
 
   @classmethod
   def load(cls, model_dir: str, batch_size: int = 8, k: int | str = -1, max_len: int = 0,
@@ -121,30 +104,48 @@ class Decoder:
     return cls(mcfg, hcfg, params, tok, dcfg, seed, draft,
                mesh=None if mesh is None else sharding_lib.make_mesh(mesh))
 
-  def calibrate(self, table_path: str | None = None, force: bool = False) -> list[float]:
-    """Cost table of the adaptive controller (see Engine.calibrate). The same file then keeps
-    the acceptance per draft position that this model's runs measure (tables.rates_key): a
-    later process starts from it where the heads' confidence alone would be its only guide (the
-    confidence understates how often greedy drafts are accepted, and a first run would decode
-    plainly until probes had shown otherwise)."""
-    cost = self.engine.calibrate(self.params, table_path, force)
-    if self.engine.cfg.adaptive:
-      self.priors.path = table_path or tables.default_table_path()
-      if self._fingerprint is None:
-        self._fingerprint = tables.params_fingerprint(self.params)
-      self.priors.keys = {s: tables.rates_key(self.engine, self._fingerprint, s)
-                          for s in (False, True)}
-    return cost
+  def cost_table(self, path: str | None = None, fresh: bool = False):
+    """Keeps adaptive k's learned step costs in the tables file at path (default
+    ~/.cache/mtp_jax/cost_tables.json), a later process starting from them (fresh: from the
+    roofline instead), and the acceptance per draft position this model's runs measure
+    (tables.rates_key): a later process starts from it where the heads' confidence alone would
+    be its only guide. Without it both are learned anew by each process."""
+    if not self.engine.cfg.adaptive:
+      return
+    self.table_path, self._fresh = path or tables.default_table_path(), fresh
+    self.learner = None
+    self.priors.path = self.table_path
+    if self._fingerprint is None:
+      self._fingerprint = tables.params_fingerprint(self.params)
+    self.priors.keys = {s: tables.rates_key(self.engine, self._fingerprint, s)
+                        for s in (False, True)}
+
+  def fix_costs(self, cost):
+    """Adaptive k weighs these costs per shape throughout, every shape compiled: nothing is
+    learned (a controlled setting, for tests)."""
+    self.engine.cost, self.learner = list(cost), False
+    self.engine.opened = set(range(1, self.engine.n_shapes))
+
+  def _learn(self) -> costs_lib.Learner | None:
+    """Adaptive k's learner, made at first need: its costs from the stored table or the
+    roofline, its first shape from the prior's rates (None: fixed costs, or not adaptive)."""
+    if self.learner is False:
+      return None
+    if self.engine.cfg.adaptive and self.learner is None:
+      self.learner = costs_lib.Learner(self.engine, self.params, self.table_path, self._fresh,
+                                       self.priors.start(False)[0])
+    return self.learner
 
   def warmup(self, max_prompt_len: int | None = None) -> int:
     """Compiles every shape serving can meet (see Engine.warmup), the copy a chunk's drain
     makes of the ring and the rows' key folding, so that the first run compiles nothing.
     -> the number of buckets."""
+    self._learn()
     n = self.engine.warmup(self.params, max_prompt_len)
-    if self.plain is not None:
+    if self.plain is not None and self.engine.stays_plain(*self.priors.start(False)):
       self.plain.warmup(self.params, max_prompt_len)
-      ring_lib.Drain().drain(*_drained(self.plain, self.plain.init_state()))
-    ring_lib.Drain().drain(*_drained(self.engine, self.engine.init_state()))
+      ring_lib.Drain().drain(*slots_lib.drained(self.plain, self.plain.init_state()))
+    ring_lib.Drain().drain(*slots_lib.drained(self.engine, self.engine.init_state()))
     jax.block_until_ready(jax.random.fold_in(jax.random.key(self.seed), 0))   # rows' keys (run)
     return n
 
@@ -181,10 +182,13 @@ class Decoder:
     sampled_run = any(engine_lib.needs_sampling(r.temperature, r.repetition_penalty)
                       for r in requests)
     t_start = time.perf_counter()       # the run's clock counts the choice of engine too
+    learner = self._learn()
+    if learner is not None:
+      learner.run_started()
     prior = self.priors.start(sampled_run) if eng.cfg.adaptive else (None, None)
     if eng.stays_plain(*prior):
       eng, prior = self.plain, (None, None)
-    slots = _Slots(self, eng, requests, on_done, t_start)
+    slots = slots_lib.Slots(self, eng, requests, on_done, t_start)
     state = self._decode(eng.init_state(self.seed, *prior), slots)
     self.last_stats = state_lib.stats(state, self.engine.kd)
     # The rows' counters restart where a request takes a slot: the run's come from every request.
@@ -195,44 +199,68 @@ class Decoder:
     if eng.cfg.adaptive:     # the acceptance this run saw: the next run's prior (adaptive k)
       counts = np.asarray(slots.counts, np.float64).reshape(len(slots.counts), 2, eng.kd)
       self.priors.learn(sampled_run, counts[:, 0], counts[:, 1])
-    self.last_timing = {"wall_s": time.perf_counter() - slots.t_start, "wait_s": slots.wait}
+    if learner is not None:
+      learner.save()
+    self.last_timing = {"wall_s": time.perf_counter() - slots.t_start, "wait_s": slots.wait,
+                        "first_step_s": slots.first_step}
     return slots.results
 
-  def _decode(self, state, slots: "_Slots"):
+  def _decode(self, state, slots: "slots_lib.Slots"):
     """The chunk loop: generate, hand over, drain, refill, until every request is done.
 
     While requests wait, a finished row is refilled right after its chunk, so the host reads
     each chunk before launching the next. Once the queue is empty nothing needs refilling: the
     next chunk is launched first and the previous one drained while the device runs it, unless
     the chunk in flight ends every row (_Slots.finish_within): then nothing more is launched."""
-    eng = slots.eng
+    eng, learner = slots.eng, self.learner or None
     drain = ring_lib.Drain()
+    if learner is not None:       # each call's time and shapes teach adaptive k's costs
+      finish = lambda: learner.drained(eng, drain.finish)
+    elif eng.cfg.adaptive:        # the controller's wishes (last) serve a learner alone
+      finish = lambda: drain.finish()[:-1]
+    else:
+      finish = drain.finish
+    finish = slots_lib.first_timed(finish, slots)
     clock = refill_lib.RefillClock(eng.cfg.batch_size)
     chunk = eng.cfg.ring_size           # steps a chunk may run (the ring holds them all)
     state = slots.fill(state)
     while slots.busy():
       if drain.pending and not slots.queue and slots.finish_within(chunk):
-        slots.collect(slots.timed(drain.finish))   # the chunk in flight ends every row
+        slots.collect(slots.timed(finish))   # the chunk in flight ends every row
         continue
       state = slots.apply_cancel(state)
       # While requests wait, the chunk ends once every waiting request has a free slot, or once
       # the freed slots' idleness outweighs a refill's cost (refill.py).
       clock.launch()
+      if learner is not None:
+        state = self._costs_to(eng, state)
       state = eng.generate(self.params, state, chunk, sample=slots.sampling(),
                            refill=min(len(slots.queue), eng.cfg.batch_size),
                            idle_steps=clock.idle_steps(), closed=not slots.queue)
+      if learner is not None:
+        learner.launched()
       slots.hand_over()                 # detokenise and write while the chunk runs
       if drain.pending:
-        slots.collect(slots.timed(drain.finish))
-      drain.start(*_drained(eng, state))
+        slots.collect(slots.timed(finish))
+      drain.start(*slots_lib.drained(eng, state))
       if slots.queue or not slots.busy():
         step0 = drain.drained_step
-        slots.collect(slots.timed(drain.finish))
+        slots.collect(slots.timed(finish))
         clock.chunk_done(drain.drained_step - step0, refilling=bool(slots.queue))
         state = slots.fill(slots.apply_cancel(state))   # before a new request takes the slot
     if drain.pending:
-      slots.collect(slots.timed(drain.finish))
+      slots.collect(slots.timed(finish))
     slots.hand_over()
+    return state
+
+  def _costs_to(self, eng, state):
+    """state with the controller's costs as learned so far (adaptive engines)."""
+    if not eng.cfg.adaptive:
+      return state
+    cost = eng.cost_array(eng.cost)
+    if getattr(self, "_put_cost", None) is None or not np.array_equal(self._put_cost, cost):
+      self._put_cost = cost
+      return eng.put(state, cost=cost)
     return state
 
   def _finish(self, req: Request, ids: list[int], steps: int) -> Completion:
@@ -242,13 +270,13 @@ class Decoder:
     if ends:
       ids, reason = ids[: ends[0]], "stop"
     text = self.tokenizer.decode(ids)
-    cut, stop = _find_stop(text, req.stop)
+    cut, stop = slots_lib.find_stop(text, req.stop)
     if cut >= 0:
       # Keep the tokens up to the one that completed the stop string; the text ends before it.
       lo, hi = 1, len(ids)
       while lo < hi:
         mid = (lo + hi) // 2
-        if _find_stop(self.tokenizer.decode(ids[:mid]), (stop,))[0] >= 0:
+        if slots_lib.find_stop(self.tokenizer.decode(ids[:mid]), (stop,))[0] >= 0:
           hi = mid
         else:
           lo = mid + 1
@@ -256,139 +284,3 @@ class Decoder:
     return Completion(text=text, token_ids=ids, finish_reason=reason,
                       prompt_tokens=len(req.prompt_ids), steps=steps,
                       acceptance_length=emitted / steps if steps else 0.0)
-
-
-class _Slots:
-  """The host's side of a run: which request each slot serves, the queue of waiting requests,
-  the rows' token streams, and the finished completions."""
-
-  def __init__(self, dec: Decoder, eng, requests: Sequence[Request], on_done, t_start: float):
-    """eng: the engine that runs them (the decoder's, or its plain one: Decoder.run); t_start:
-    the run's start (perf_counter)."""
-    b = eng.cfg.batch_size
-    self.dec, self.eng, self.requests, self.on_done = dec, eng, requests, on_done
-    self.t_start = t_start
-    self.wait = 0.0                    # seconds blocked on the device (for host overhead)
-    self.ttft = [0.0] * len(requests)
-    self.base_key = jax.random.key(dec.seed)
-    self.queue = list(range(len(requests)))[::-1]
-    self.slot_req = [-1] * b
-    self.streams: list[list[int]] = [[] for _ in range(b)]
-    self.results: list[Completion | None] = [None] * len(requests)
-    self.sampled = np.zeros((b,), bool)
-    self.free = list(range(b))[::-1]
-    self.finished: list[tuple] = []    # (request, tokens, steps, latency) of rows not handed over
-    self.counts: list[tuple] = []      # adaptive k: each finished row's (cond_trials, cond_hits)
-    self.cancel = np.zeros((b,), bool)
-
-  def busy(self) -> bool:
-    return any(r >= 0 for r in self.slot_req)
-
-  def finish_within(self, steps: int) -> bool:
-    """Whether every row in use is done after `steps` more steps, by its token budget alone:
-    a step emits at least one token per active row, and a row stops once it has max_new_tokens
-    (its stream holds those drained so far, the prefill's first token included)."""
-    return all(self.requests[r].max_new_tokens - len(self.streams[s]) <= steps
-               for s, r in enumerate(self.slot_req) if r >= 0)
-
-  def sampling(self) -> bool:
-    """Whether a row in use samples (the sampling variant of generate)."""
-    return bool(np.any(self.sampled & (np.asarray(self.slot_req) >= 0)))
-
-  def timed(self, fn):
-    t0 = time.perf_counter()
-    out = fn()
-    self.wait += time.perf_counter() - t0
-    return out
-
-  def apply_cancel(self, state):
-    """Stops on the device the rows the host finished (stop strings)."""
-    if self.cancel.any():
-      state = self.eng.cancel(state, self.cancel)
-      self.cancel[:] = False
-    return state
-
-  def fill(self, state):
-    """Prefills waiting requests into free slots, up to prefill_rows per call (a call of
-    several rows is padded to prefill_rows with rows that insert drops)."""
-    eng, b = self.eng, self.eng.cfg.batch_size
-    g = eng.cfg.prefill_rows
-    while self.free and self.queue:
-      take = min(len(self.free), len(self.queue), g)
-      slots, reqs = [], []
-      for _ in range(take):
-        slot, r = self.free.pop(), self.queue.pop()
-        slots.append(slot)
-        reqs.append(self.requests[r])
-        self.slot_req[slot] = r
-        self.sampled[slot] = engine_lib.needs_sampling(self.requests[r].temperature,
-                                                       self.requests[r].repetition_penalty)
-      keys = [jax.random.key(q.seed) if q.seed is not None
-              else jax.random.fold_in(self.base_key, self.slot_req[s])
-              for q, s in zip(reqs, slots)]
-      if take > 1:
-        pad = g - take
-        reqs += [Request(reqs[0].prompt_ids[:1], 1)] * pad
-        slots += [b] * pad
-        keys += [self.base_key] * pad
-      prefix = eng.prefill(self.dec.params, [q.prompt_ids for q in reqs], jnp.stack(keys),
-                           [q.temperature for q in reqs], [q.top_k for q in reqs],
-                           [q.top_p for q in reqs], [q.repetition_penalty for q in reqs])
-      state = eng.insert(prefix, state, slots, [q.max_new_tokens for q in reqs],
-                         [q.temperature for q in reqs], [q.top_k for q in reqs],
-                         [q.top_p for q in reqs], [q.repetition_penalty for q in reqs])
-      first = self.timed(lambda: np.asarray(prefix.first))
-      now = time.perf_counter()
-      for i in range(take):
-        self.streams[slots[i]] = [int(first[i])]
-        self.ttft[self.slot_req[slots[i]]] = now - self.t_start
-    return state
-
-  def release(self, slot, row_steps, counts):
-    if counts:
-      self.counts.append((counts[0][slot], counts[1][slot]))
-    self.finished.append((self.slot_req[slot], self.streams[slot], int(row_steps[slot]),
-                          time.perf_counter() - self.t_start))
-    self.slot_req[slot] = -1
-    self.free.append(slot)
-
-  def collect(self, records):
-    """Appends a drained chunk to the streams; releases rows that are done."""
-    tokens, emitted, _, _, done, row_steps, *counts = records
-    ring_lib.append_streams(self.streams, tokens, emitted)
-    for slot in range(len(self.slot_req)):
-      r = self.slot_req[slot]
-      if r < 0:
-        continue
-      if done[slot]:
-        self.release(slot, row_steps, counts)
-      elif self.requests[r].stop and _find_stop(self.dec.tokenizer.decode(self.streams[slot]),
-                                                self.requests[r].stop)[0] >= 0:
-        self.cancel[slot] = True
-        self.release(slot, row_steps, counts)
-
-  def hand_over(self):
-    for r, ids, steps, latency in self.finished:
-      self.results[r] = self.dec._finish(self.requests[r], ids, steps)
-      self.results[r].ttft_s, self.results[r].latency_s = self.ttft[r], latency
-      if self.on_done is not None:
-        self.on_done(r, self.results[r])
-    self.finished.clear()
-
-
-def _drained(eng, state) -> tuple:
-  """What a chunk's drain copies (ring_lib.Drain.start): the ring, the step, the rows' done
-  flags and step counts, and for adaptive k each row's acceptance counts (priors.py)."""
-  rows = state.rows
-  counts = (rows.cond_trials, rows.cond_hits) if eng.cfg.adaptive else ()
-  return (state.record.ring, state.record.step, rows.done, rows.steps) + counts
-
-
-def _find_stop(text: str, stops) -> tuple[int, str | None]:
-  """-> (index of the earliest stop string in text, that string), or (-1, None)."""
-  best, which = -1, None
-  for s in stops:
-    i = text.find(s)
-    if i >= 0 and (best < 0 or i < best):
-      best, which = i, s
-  return best, which

@@ -240,12 +240,14 @@ def count_lines(input_path: str) -> int:
 
 
 def run_job(decoder, input_path: str, output_path: str, defaults: Defaults, progress=None,
-            model_name: str = "mtp-jax") -> dict:
+            model_name: str = "mtp-jax", t0: float | None = None) -> dict:
   """Serves every line of input_path not yet in output_path; returns the summary (also written
   beside the output as OUTPUT.summary.json). `progress(counts, total)` is called once before
   decoding and after every finished row: counts holds completed, tokens and decode_steps (row
-  steps) so far, total the rows to decode."""
-  t0 = time.perf_counter()
+  steps) so far, total the rows to decode. t0: when the job began (perf_counter; default now):
+  the summary's first_token_s counts from it."""
+  t0 = time.perf_counter() if t0 is None else t0
+  first = []
   done_keys = load_done(output_path)
   items = read_items(decoder, input_path, done_keys, defaults)
   served = [it for it in items if it.request is not None]
@@ -264,6 +266,7 @@ def run_job(decoder, input_path: str, output_path: str, defaults: Defaults, prog
       progress(counts, len(served))
 
     def on_done(i, c):
+      first.append(t_start + c.ttft_s)
       write(record(served[i], c, model_name))
       counts["completed"] += 1
       counts["tokens"] += len(c.token_ids)
@@ -280,6 +283,10 @@ def run_job(decoder, input_path: str, output_path: str, defaults: Defaults, prog
              "k": "auto" if decoder.engine.cfg.adaptive else
                   decoder.engine.tree.name if decoder.engine.tree else decoder.engine.kd,
              "wall_s": round(wall, 3), "decode_wall_s": round(decode_wall, 3),
+             # From t0: the first token (prefill's), the first decode step's on the host.
+             "first_token_s": round(min(first) - t0, 3) if first else None,
+             "first_step_s": (round(t_start - t0 + decoder.last_timing["first_step_s"], 3)
+                              if served and decoder.last_timing.get("first_step_s") else None),
              "tokens_per_s": round(counts["tokens"] / decode_wall, 2) if served else 0.0,
              # Tokens written past each row's first, per row step, as the progress line shows
              # it (Decoder.last_stats counts what the steps emitted, before EOD and stop strings

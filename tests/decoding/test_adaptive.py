@@ -13,6 +13,7 @@ import pytest
 
 from mtp_jax.config import DecodeConfig
 from mtp_jax.decoding import adaptive as A
+from mtp_jax.decoding import costs as costs_lib
 from mtp_jax.decoding import engine as E
 from mtp_jax.decoding import priors as priors_lib
 from mtp_jax.decoding import ring as ring_lib
@@ -147,29 +148,6 @@ def test_argmax_matches_brute_force():
     assert _choose(cost, alpha, active) == best_k
 
 
-@pytest.mark.slow
-def test_only_the_k_that_can_pay_are_kept():
-  assert A.viable_ks([1.0, 2.0, 3.0, 4.0]) == (0,)           # compute bound: k+1 tokens, k+1 steps
-  assert A.viable_ks([1.0, 1.01, 1.02, 1.03]) == (0, 1, 2, 3)
-  assert A.viable_ks([1.0, 1.5, 3.5, 3.7], 0.05) == (0, 1, 3)
-  assert A.viable_ks([1.0, 1.95, 2.8], 0.05) == (0, 2)        # k=1: 2/1.95 beats 1 by < 5%
-  # Exact: under any acceptance (all accepted included), neither objective picks another k.
-  rng = np.random.default_rng(1)
-  for _ in range(300):
-    k_max, b = int(rng.integers(1, 5)), int(rng.integers(1, 9))
-    cost = np.cumsum(rng.uniform(0.01, 1.5, k_max + 1)).astype(np.float32)
-    margin = float(rng.choice([0.0, 0.05]))
-    alpha = rng.uniform(0.5, 1, (b, k_max)) ** rng.choice([1, 8])
-    alpha[rng.uniform(size=b) < 0.3] = 1.0
-    active = rng.uniform(size=b) < 0.8
-    ks = A.viable_ks(cost, margin)
-    c, a, act = jnp.asarray(cost), jnp.asarray(alpha, jnp.float32), jnp.asarray(active)
-    assert int(A.choose_k(c, A.expected_emitted(a, act), margin)) in ks
-    rem = jnp.asarray(rng.integers(1, 100, b))
-    assert int(A.choose_k_to_finish(c, a, act, rem, margin)) in ks
-    assert int(A.choose_k(c, A.expected_emitted(jnp.ones_like(a), act), margin)) in ks
-
-
 def test_window_rates_are_conditional_per_position():
   ring = ring_lib.init_ring(4, 2, 3)
   # Step 0: row 0 verified 3, accepted 1; row 1 verified 3, accepted 3.
@@ -189,10 +167,12 @@ def test_window_rates_are_conditional_per_position():
 
 def test_cost_table_round_trip(tmp_path):
   path = str(tmp_path / "c.json")
-  assert T.load_table(path, "x") is None
-  T.save_table(path, "x", [1.0, 2.0])
-  T.save_table(path, "y", [3.0])
-  assert T.load_table(path, "x") == [1.0, 2.0] and T.load_table(path, "y") == [3.0]
+  assert T.load_table(path, "x", 2) is None
+  T.save_table(path, "x", {"cost_s": [1.0, 2.0]})
+  T.save_table(path, "y", {"cost_s": [3.0]})
+  assert T.load_table(path, "x", 2)["cost_s"] == [1.0, 2.0]
+  assert T.load_table(path, "y", 1)["cost_s"] == [3.0]
+  assert T.load_table(path, "y", 2) is None                     # another shape count
 
 
 def test_cost_table_key_names_the_runtime(monkeypatch):
@@ -253,7 +233,7 @@ def test_k_changes_between_steps_without_recompiles_and_output_is_unchanged(trai
   # Each draft costs 1% more: with the tiny heads' low confidences (~0.02) the controller starts
   # at k=1 (no margin asked over plain decoding), then raises k as the ring shows drafts being
   # accepted.
-  dec.engine.cost = [1.0, 1.01, 1.02, 1.03, 1.04]
+  dec.fix_costs([1.0, 1.01, 1.02, 1.03, 1.04])
   dec.warmup(16)
   # The first run after warm-up included: a batch job is one run.
   with _ks_run() as ks, compiles() as compiled:
@@ -372,10 +352,11 @@ def test_adaptive_loop_writes_the_kv_cache_in_place(trained_tiny):
 
 
 @pytest.mark.slow
-def test_only_the_variants_that_can_pay_are_compiled(trained_tiny):
-  """A k whose best case (every draft accepted) does not beat plain decoding under the cost
-  table gets no loop; with none left the adaptive engine compiles plain decoding's loop. The
-  output stays that of plain greedy decoding either way."""
+def test_shapes_are_compiled_as_the_controller_wants_them(trained_tiny):
+  """A learning decoder compiles plain decoding and its first chain; a shape the controller
+  wants in enough segments (costs.OPEN_AFTER, once the costs are learned) is compiled for the
+  next call. The output stays that of plain greedy decoding whatever is compiled, and a program
+  of fewer shapes holds fewer loops."""
   _, workdir, _ = trained_tiny
   mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
   prompts = [tok.encode(t) for t in ("def f(x):\n", "import os\n\nclass A:\n", "    return x")]
@@ -393,18 +374,20 @@ def test_only_the_variants_that_can_pay_are_compiled(trained_tiny):
   dec = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, adaptive=True, ring_size=8,
                                                           adapt_margin=0.0))
   kd = dec.engine.kd
-  dec.engine.cost = [1.0, 1.01, 5.0] + [1.02 + 0.01 * i for i in range(kd - 2)]
-  assert dec.engine.ks == (0, 1) + tuple(range(3, kd + 1))
-  with _ks_run() as ran:
-    out = dec.run(reqs)
-  assert [c.token_ids for c in out] == want
-  assert 2 not in ran and len(set(ran)) >= 2, sorted(set(ran))
-  full = loops(dec.engine)
-  dec.engine.cost = [1.0] + [2.0 + i for i in range(kd)]     # compute bound: no k pays
-  assert dec.engine.ks == (0,)
+  dec.warmup(16)
+  learner = dec.learner
+  assert len(dec.engine.ks) <= 2 and dec.engine.ks[0] == 0
+  first = loops(dec.engine)
+  for _ in range(3):
+    assert [c.token_ids for c in dec.run(reqs)] == want
+  opened = [s for s in range(1, kd + 1) if learner.wanted[s] >= costs_lib.OPEN_AFTER]
+  assert set(opened) <= set(dec.engine.ks)
+  assert learner.model.calls > costs_lib.LEARN_FIRST
+  # Every shape compiled: more loops than the first program, the same tokens.
+  dec.fix_costs([1.0, 1.01, 5.0] + [1.02 + 0.01 * i for i in range(kd - 2)])
+  assert dec.engine.ks == tuple(range(kd + 1))
   assert [c.token_ids for c in dec.run(reqs)] == want
-  assert dec.last_stats["drafted"] == [0] * kd
-  assert loops(dec.engine) == loops(plain.engine) < full
+  assert loops(dec.engine) > first
 
 
 def test_a_run_that_can_never_leave_plain_decoding_runs_on_the_plain_engine(trained_tiny):
@@ -421,7 +404,7 @@ def test_a_run_that_can_never_leave_plain_decoding_runs_on_the_plain_engine(trai
           api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, k=0)).run(reqs)]
   dec = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, adaptive=True, ring_size=8))
   kd = dec.engine.kd
-  dec.engine.cost = [1.0] + [1.5 + 0.5 * i for i in range(kd)]
+  dec.fix_costs([1.0] + [1.5 + 0.5 * i for i in range(kd)])
   low, high, m = [0.2] * kd, [0.95] * kd, [50.0] * kd
   assert not dec.engine.stays_plain()
   assert dec.engine.stays_plain(low, m) and not dec.engine.stays_plain(high, m)
@@ -541,30 +524,6 @@ def test_the_priors_weight_follows_how_far_requests_scatter():
 
 
 @pytest.mark.slow
-def test_cost_table_is_measured_to_the_asked_precision(trained_tiny):
-  """Rounds of every k go on until each cost ratio's standard error is below rel_err, or the
-  time budget is spent (after min_rounds); the table is non-decreasing in k."""
-  _, workdir, _ = trained_tiny
-  mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
-  eng = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=2, max_len=64, adaptive=True, ring_size=8),
-                 tok.eod_id)
-  cost, info = T.measure_costs(eng, params, rel_err=10.0, min_rounds=3)     # met at once
-  assert info["rounds"] == 3 and len(cost) == eng.kd + 1
-  assert all(c > 0 for c in cost) and np.all(np.diff(cost) >= 0)
-  cost, info = T.measure_costs(eng, params, rel_err=0.0, budget_s=0.0, min_rounds=4)
-  assert info["rounds"] == 4 and info["rel_se"] > 0            # never met: the budget ends it
-  cost, info = T.measure_costs(eng, params, rel_err=0.0, budget_s=1e9, min_rounds=2,
-                               max_rounds=6)
-  assert info["rounds"] == 6
-  # An engine without drafts has no ratio to measure: min_rounds, then done.
-  eng0 = E.Engine(mcfg, hcfg, DecodeConfig(batch_size=2, max_len=64, adaptive=True, k=0,
-                                           ring_size=8), tok.eod_id)
-  cost, info = T.measure_costs(eng0, params, min_rounds=2)
-  assert len(cost) == 1 and cost[0] > 0
-  assert info == {"rounds": 2, "rel_se": 0.0, "dropped": []}
-
-
-@pytest.mark.slow
 def test_a_later_process_starts_from_the_acceptance_a_run_stored(trained_tiny, tmp_path):
   """Beside the cost table, a run stores the acceptance per position it measured, keyed by the
   weights, greedy and sampled apart; a new decoder of the same model starts from the first
@@ -573,14 +532,15 @@ def test_a_later_process_starts_from_the_acceptance_a_run_stored(trained_tiny, t
   mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
   dcfg = DecodeConfig(batch_size=2, max_len=96, adaptive=True, ring_size=8)
   path = str(tmp_path / "tables.json")
-  reqs = [api.Request(tok.encode(p), 40) for p in ("def f(x):\n    return x", "import os\n")]
+  reqs = [api.Request(tok.encode(p), 64) for p in ("def f(x):\n    return x", "import os\n")]
 
   def decoder(p=params):
     dec = api.Decoder(mcfg, hcfg, p, tok, dcfg)
     # Drafting all but free: the controller drafts, and the run has counts to store.
     T.save_table(path, T.table_key(dec.engine),
-                 [1.0 + 0.01 * k for k in range(dec.engine.kd + 1)])
-    dec.calibrate(path)
+                 {"cost_s": [1.0 + 0.01 * k for k in range(dec.engine.kd + 1)],
+                  "rel_sd": [0.0] * (dec.engine.kd + 1)})
+    dec.cost_table(path)
     starts = []
     generate = dec.engine.generate
 

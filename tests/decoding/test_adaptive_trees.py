@@ -61,31 +61,6 @@ def test_expected_tokens_of_chains_and_trees():
   assert SS.chain_depth(trees[0]) == 3 and SS.chain_depth(trees[1]) == 4
 
 
-def test_trees_are_viable_only_where_they_beat_every_chain():
-  ss = SS.ShapeSet(kd=4, trees=(S.Tree.from_choices(WIDE),), rates=RATES)
-  chains = (0, 1, 2, 3, 4)
-  # A step of 9 tokens costs what one of 5 does: the tree's extra candidates are free.
-  assert ss.viable([1.0, 1.01, 1.02, 1.03, 1.04, 1.04], chains, 0.06) == chains + (5,)
-  # Twice the chain's cost (XLA:CPU): never worth it at these rates.
-  assert ss.viable([1.0, 1.01, 1.02, 1.03, 1.04, 2.0], chains, 0.06) == chains
-  # No measured cost (a table of chains only): never chosen.
-  assert ss.viable([1.0, 1.01, 1.02, 1.03, 1.04], chains, 0.06) == chains
-
-
-def test_calibration_stops_timing_a_tree_that_cannot_be_chosen():
-  """A tree that loses to the chains even at a cost two standard errors below its estimate is
-  measured no further (tables._still_viable); one within reach of viability is kept."""
-  ss = SS.ShapeSet(kd=4, trees=(S.Tree.from_choices(WIDE), S.Tree.from_choices(WIDE)),
-                   rates=RATES)
-  eng = type("Eng", (), {"kd": 4, "shape_set": ss,
-                         "cfg": DecodeConfig(adaptive=True, adapt_margin=0.06)})()
-  ratio = np.asarray([1.0, 1.01, 1.02, 1.03, 1.04, 2.0, 1.05])
-  t = np.stack([ratio * 1e-3, ratio * 1.1e-3, ratio * 0.9e-3])        # [rounds, shapes]
-  assert T._still_viable(eng, t, np.full(6, 0.01)) == (0, 1, 2, 3, 4, 6)
-  # Uncertain enough that it may still cost what the chains do: kept.
-  assert T._still_viable(eng, t, np.full(6, 0.4)) == (0, 1, 2, 3, 4, 5, 6)
-
-
 def test_the_accepted_paths_rank_zero_prefix_and_the_depth_limit():
   tree = S.Tree.from_choices(WIDE)        # nodes (0,) (1,) (2,) (0,0) (0,1) (1,0) (0,0,0) (0,0,1)
   path = jnp.asarray([[0, 3, 6], [0, 4, -1], [1, 5, -1], [-1, -1, -1], [0, 3, 7]])
@@ -111,7 +86,7 @@ def _auto(tiny, cost, **opts):
   dcfg = DecodeConfig(batch_size=3, adaptive=True, ring_size=8, adaptive_trees=(WIDE, DEEP),
                       **opts)
   dec = api.Decoder(mcfg, hcfg, params, tok, dcfg)
-  dec.engine.cost = cost
+  dec.fix_costs(cost)
   return dec
 
 
@@ -133,7 +108,6 @@ def test_greedy_output_equals_plain_greedy_while_trees_are_chosen(tiny_model, pl
     assert (a.token_ids, a.finish_reason, a.text) == (b.token_ids, b.finish_reason, b.text)
   st = dec.last_stats
   if cost is TREES_ONLY:
-    assert dec.engine.ks == (0, 5, 6)
     assert st["acceptance_length"] > 1.2, st    # tree steps ran and accepted drafts
 
 
@@ -205,20 +179,27 @@ def test_auto_takes_the_models_trees_and_what_cannot_choose_a_tree_says_so(tiny_
       resolve(dcfg, mcfg, hc)
 
 
-@pytest.mark.slow
-def test_the_cost_table_has_an_entry_per_tree(tiny_model, tmp_path):  # noqa: F811
-  """Calibration times every chain and every tree (forced in turn); the chains' part is
-  non-decreasing, the table is stored under a key naming the trees and read back whole."""
-  dec = _auto(tiny_model, [1.0])
-  eng = dec.engine
+def test_the_learned_costs_have_an_entry_per_tree(tiny_model, tmp_path):  # noqa: F811
+  """The learner prices every chain and every tree from the roofline, compiles the best chain
+  first (a tree only once the controller wants it), and stores what a run taught it under a
+  key naming the trees; a later decoder starts from the stored costs."""
+  (mcfg, hcfg, params, tok), cfg, _ = tiny_model
+  dcfg = DecodeConfig(batch_size=3, adaptive=True, ring_size=8, adaptive_trees=(WIDE, DEEP))
+  dec = api.Decoder(mcfg, hcfg, params, tok, dcfg)
   path = str(tmp_path / "tables.json")
-  cost = dec.calibrate(path)
-  assert len(cost) == eng.n_shapes == eng.kd + 1 + 2 and all(0 < c < np.inf for c in cost)
-  assert np.all(np.diff(cost[:eng.kd + 1]) >= 0)
-  assert "|trees=" in T.table_key(eng) and "|trees=none" not in T.table_key(eng)
-  assert T.load_table(path, T.table_key(eng)) == cost
-  eng.cost = [1.0]
-  assert dec.calibrate(path) == cost                  # read back, not measured again
+  dec.cost_table(path)
+  dec.run([api.Request(heldout_prompts(cfg, tok, 1, seed=4)[0][:20], 40)])
+  eng = dec.engine
+  assert len(eng.cost) == eng.n_shapes == eng.kd + 1 + 2 and all(0 < c < np.inf for c in eng.cost)
+  assert max(eng.ks) <= eng.kd or dec.learner.wanted[max(eng.ks)] >= 8
+  key = T.table_key(eng)
+  assert "|trees=" in key and "|trees=none" not in key
+  stored = T.load_table(path, key, eng.n_shapes)
+  assert stored["cost_s"] == list(dec.learner.model.mean)
+  again = api.Decoder(mcfg, hcfg, params, tok, dcfg)
+  again.cost_table(path)
+  again.warmup(32)
+  np.testing.assert_allclose(again.learner.model.mean, stored["cost_s"], rtol=1e-6)
 
 
 def test_no_tree_where_a_row_lacks_room_for_it(tiny_model):  # noqa: F811
@@ -239,10 +220,11 @@ def test_no_tree_where_a_row_lacks_room_for_it(tiny_model):  # noqa: F811
                                                 length=state.rows.length.at[0].set(30)))
   # 30 + 3 steps x 5 tokens = 45: WIDE's 8 nodes do not fit 48 positions, nor DEEP's 6.
   assert np.asarray(loop_lib.allowed(dec.engine, state, dec.engine.ks)).tolist() == [
-      True, False, False, False, False, False, False]
+      True, True, True, True, True, False, False]
   state = state.replace(rows=state.rows.replace(length=state.rows.length.at[0].set(20)))
-  assert np.asarray(loop_lib.allowed(dec.engine, state, dec.engine.ks)).tolist() == [
-      True, False, False, False, False, True, True]
+  assert np.asarray(loop_lib.allowed(dec.engine, state, dec.engine.ks)).tolist() == [True] * 7
+  assert np.asarray(loop_lib.allowed(dec.engine, state, (0, 5))).tolist() == [
+      True, False, False, False, False, True, False]
 
 
 @pytest.mark.slow

@@ -53,14 +53,14 @@ def measure_matmul(n: int = 2048, dtype=jnp.float32) -> float:
   return 2 * n**3 / _median_time(f, a)
 
 
-def measure_roofs(platform: str) -> tuple[float, float]:
+def measure_roofs(platform: str, matmul_n: int = 2048) -> tuple[float, float]:
   """-> (read bandwidth bytes/s, matmul FLOP/s) in the regime a decode step runs in. A CPU
   computes in f32 (measure_bandwidth's matrix-vector product, a 2048^3 matmul). An accelerator
   computes in bf16 and needs work far larger than a CPU's to reach its roofs (on an H200 the CPU's
   probes read 1.2-1.9 TB/s and 31-75 TFLOP/s, well under its ~4.3 TB/s and bf16 rate): a
   streaming sum over 4 GiB, and an 8192^3 bf16 matmul; the better of the two bandwidth probes."""
   if platform == "cpu":
-    return measure_bandwidth(), measure_matmul()
+    return measure_bandwidth(), measure_matmul(matmul_n)
   x = jnp.ones((2**30,), jnp.float32)                     # 4 GiB
   stream = x.nbytes / _median_time(jax.jit(jnp.sum), x)
   del x

@@ -79,10 +79,12 @@ class CostModel:
     return np.sqrt(np.maximum(np.diag(self._posterior()[1]), 0.0))
 
   def optimistic(self, kd: int) -> list[float]:
-    """[S] the costs the controller weighs: one standard error below the estimate, the
-    chains' (shapes 0..kd) made non-decreasing in k (tables.monotone)."""
+    """[S] the costs the controller weighs: below the estimate by as much as its standard error
+    exceeds a call's noise (a shape little run gets tried; one known to within the noise is
+    taken as it is, or drafting that does not pay would be chosen for its error), the chains'
+    (shapes 0..kd) made non-decreasing in k (tables.monotone)."""
     mean = self.mean
-    c = np.maximum(mean - self.sd, 0.5 * mean)
+    c = np.maximum(mean - np.maximum(self.sd - self.noise * mean, 0.0), 0.5 * mean)
     return tables.monotone(list(c[:kd + 1])) + list(c[kd + 1:])
 
   def stored(self) -> dict:
@@ -171,8 +173,9 @@ class CallClock:
 
 
 # A shape not compiled is compiled once the controller has wanted it in this many segments (a
-# call's worth of steps): a compile costs seconds, and a shape wanted now and then gains little.
-OPEN_AFTER = 8
+# call's worth of steps) and in this share of all its choices: a compile costs seconds (and,
+# behind the run, slows it meanwhile), and a shape wanted now and then gains little.
+OPEN_AFTER, OPEN_SHARE = 8, 0.25
 # The calls whose wishes are not counted: their costs were the prior's (a roofline prices a tree
 # like a chain where a step is memory bound; XLA:CPU's products of several rows are not).
 LEARN_FIRST = 2
@@ -180,8 +183,9 @@ LEARN_FIRST = 2
 
 class Learner:
   """Adaptive k's host side for one engine: the cost model and the calls' clock, the costs the
-  controller weighs (engine.cost), the shapes compiled (engine.opened: the first from the prior,
-  then those the controller wants), and where the costs are kept (path; None: this process)."""
+  controller weighs (engine.cost), the shapes compiled (engine.opened: the chains the prior
+  leaves viable, then those the controller wants), and where the costs are kept (path; None:
+  this process)."""
 
   def __init__(self, engine, params, path: str | None = None, fresh: bool = False,
                rates=None):
@@ -197,7 +201,7 @@ class Learner:
     self.run_wanted = np.zeros_like(self.wanted)              # the run's so far
     engine.cost = self.model.optimistic(engine.kd)
     engine.opened = set()
-    engine.open([first_shape(engine, rates)])
+    engine.open([first_shape(engine, rates)] + viable_chains(engine))
     if engine.programs is None:
       engine.programs = programs.Programs(engine._generate)
 
@@ -207,11 +211,13 @@ class Learner:
 
   def drained(self, eng, fn):
     """Runs a drain (fn: its records, the controller's wanted counts last where eng is
-    adaptive), learns from the call's time and opens the shapes the controller wanted in
-    OPEN_AFTER segments or more. -> the records."""
+    adaptive), learns from the call's time (unless a program compiled beside it) and opens the
+    shapes the controller wanted in OPEN_AFTER segments and OPEN_SHARE of its choices or more.
+    -> the records."""
     out, seconds = self.clock.drained(fn)
     k_used = np.asarray(out[2])
-    if seconds is not None and len(k_used):
+    busy = self.engine.programs is not None and self.engine.programs.busy
+    if seconds is not None and len(k_used) and not busy:   # a compile beside it: not a step's cost
       self.model.observe(np.bincount(k_used, minlength=self.engine.n_shapes), seconds)
       self.engine.cost = self.model.optimistic(self.engine.kd)
     if eng.cfg.adaptive:
@@ -219,7 +225,8 @@ class Learner:
       if self.model.calls > LEARN_FIRST:            # wishes made on the prior alone do not count
         self.wanted += np.maximum(now - self.run_wanted, 0)
       self.run_wanted = np.maximum(now, self.run_wanted)
-      self.engine.open(np.nonzero(self.wanted >= OPEN_AFTER)[0])
+      often = (self.wanted >= OPEN_AFTER) & (self.wanted >= OPEN_SHARE * self.wanted.sum())
+      self.engine.open(np.nonzero(often)[0])
       out = out[:-1]
     return out
 
@@ -229,6 +236,14 @@ class Learner:
   def save(self):
     if self.path:
       tables.save_table(self.path, self.key, self.model.stored())
+
+
+def viable_chains(engine) -> list[int]:
+  """The chains that could beat plain decoding by the margin at engine.cost were every draft
+  accepted, (k + 1) c(0) > (1 + margin) c(k): compiled from the start (behind the first
+  program), the others only once the controller wants them."""
+  c, margin = engine.cost, engine.cfg.adapt_margin
+  return [k for k in range(1, engine.kd + 1) if (k + 1) * c[0] > (1.0 + margin) * c[k]]
 
 
 def first_shape(engine, rates=None) -> int:

@@ -60,6 +60,12 @@ class Programs:
       ks = max(have, key=len) if have else (max(ks),)
     return self.compile_now(args, sample, ks)(*args)
 
+  @property
+  def busy(self) -> bool:
+    """Whether a program is being compiled (a call beside it runs slower than its steps cost)."""
+    self._collect()
+    return bool(self.pending)
+
   def _collect(self):
     for key, fut in list(self.pending.items()):
       if fut.done():

@@ -353,10 +353,11 @@ def test_adaptive_loop_writes_the_kv_cache_in_place(trained_tiny):
 
 @pytest.mark.slow
 def test_shapes_are_compiled_as_the_controller_wants_them(trained_tiny):
-  """A learning decoder compiles plain decoding and its first chain; a shape the controller
-  wants in enough segments (costs.OPEN_AFTER, once the costs are learned) is compiled for the
-  next call. The output stays that of plain greedy decoding whatever is compiled, and a program
-  of fewer shapes holds fewer loops."""
+  """A learning decoder compiles plain decoding and the chains the prior leaves viable; a shape
+  the controller wants often enough (costs.OPEN_AFTER segments and OPEN_SHARE of its choices,
+  once the costs are learned) is opened. A program not compiled yet compiles on a thread while
+  the call runs one that is (or the largest opened shape alone): the output stays that of plain
+  greedy decoding whatever runs, and a program of fewer shapes holds fewer loops."""
   _, workdir, _ = trained_tiny
   mcfg, hcfg, params, tok = ckpt_lib.load_model_dir(os.path.join(workdir, "model"))
   prompts = [tok.encode(t) for t in ("def f(x):\n", "import os\n\nclass A:\n", "    return x")]
@@ -373,21 +374,27 @@ def test_shapes_are_compiled_as_the_controller_wants_them(trained_tiny):
 
   dec = api.Decoder(mcfg, hcfg, params, tok, DecodeConfig(batch_size=2, adaptive=True, ring_size=8,
                                                           adapt_margin=0.0))
-  kd = dec.engine.kd
+  eng, kd = dec.engine, dec.engine.kd
   dec.warmup(16)
   learner = dec.learner
-  assert len(dec.engine.ks) <= 2 and dec.engine.ks[0] == 0
-  first = loops(dec.engine)
-  for _ in range(3):
+  start = set(costs_lib.viable_chains(eng)) | {costs_lib.first_shape(eng)}
+  assert eng.ks == tuple(sorted(start | {0})) and (False, eng.ks) in eng.programs.ready
+  for _ in range(2):
     assert [c.token_ids for c in dec.run(reqs)] == want
-  opened = [s for s in range(1, kd + 1) if learner.wanted[s] >= costs_lib.OPEN_AFTER]
-  assert set(opened) <= set(dec.engine.ks)
+  often = ((learner.wanted >= costs_lib.OPEN_AFTER)
+           & (learner.wanted >= costs_lib.OPEN_SHARE * learner.wanted.sum()))
+  assert {s for s in range(1, kd + 1) if often[s]} <= set(eng.ks)
   assert learner.model.calls > costs_lib.LEARN_FIRST
-  # Every shape compiled: more loops than the first program, the same tokens.
-  dec.fix_costs([1.0, 1.01, 5.0] + [1.02 + 0.01 * i for i in range(kd - 2)])
-  assert dec.engine.ks == tuple(range(kd + 1))
+  # Fewer shapes: the opened chain runs alone until its program is compiled, the same tokens.
+  eng.opened = {1}
   assert [c.token_ids for c in dec.run(reqs)] == want
-  assert loops(dec.engine) > first
+  assert (False, (1,)) in eng.programs.ready           # ran while (0, 1) compiled
+  eng.programs.wait()
+  assert (False, (0, 1)) in eng.programs.ready
+  assert [c.token_ids for c in dec.run(reqs)] == want
+  small = loops(eng)
+  eng.opened = set(range(1, kd + 1))
+  assert small < loops(eng)
 
 
 def test_a_run_that_can_never_leave_plain_decoding_runs_on_the_plain_engine(trained_tiny):

@@ -191,7 +191,7 @@ def test_the_learned_costs_have_an_entry_per_tree(tiny_model, tmp_path):  # noqa
   dec.run([api.Request(heldout_prompts(cfg, tok, 1, seed=4)[0][:20], 40)])
   eng = dec.engine
   assert len(eng.cost) == eng.n_shapes == eng.kd + 1 + 2 and all(0 < c < np.inf for c in eng.cost)
-  assert max(eng.ks) <= eng.kd or dec.learner.wanted[max(eng.ks)] >= 8
+  assert max(eng.ks) <= eng.kd or dec.learner.wanted[max(eng.ks)] >= 8      # OPEN_AFTER
   key = T.table_key(eng)
   assert "|trees=" in key and "|trees=none" not in key
   stored = T.load_table(path, key, eng.n_shapes)

@@ -78,11 +78,12 @@ def init_controller(kd: int, cost, probe_every: int, window: int, prior=None,
   prior = jnp.full((kd,), -1.0, jnp.float32) if prior is None else jnp.asarray(prior, jnp.float32)
   m = jnp.full((kd,), window, jnp.float32) if prior_trials is None else prior_trials
   m = jnp.where(prior >= 0, jnp.asarray(m, jnp.float32), float(window))
+  cost = jnp.asarray(cost, jnp.float32)
   return Controller(
-      cost=jnp.asarray(cost, jnp.float32), k_force=jnp.asarray(-1, jnp.int32),
+      cost=cost, k_force=jnp.asarray(-1, jnp.int32),
       probe_gap=jnp.asarray(probe_every, jnp.int32), plain_segs=jnp.zeros((), jnp.int32),
       seg_k=jnp.zeros((), jnp.int32), prior_rate=prior, prior_trials=m,
-      wanted=jnp.zeros(jnp.shape(cost), jnp.int32))
+      wanted=jnp.zeros(cost.shape, jnp.int32))
 
 
 def choose(state, limit_B, allowed_S, window: int, margin: float, ss: ShapeSet | None = None,

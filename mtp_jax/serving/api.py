@@ -142,7 +142,7 @@ class Decoder:
     -> the number of buckets."""
     self._learn()
     n = self.engine.warmup(self.params, max_prompt_len)
-    if self.plain is not None and self.engine.stays_plain(*self.priors.start(False)):
+    if self.plain is not None:     # a run adaptive k's costs show can never draft
       self.plain.warmup(self.params, max_prompt_len)
       ring_lib.Drain().drain(*slots_lib.drained(self.plain, self.plain.init_state()))
     ring_lib.Drain().drain(*slots_lib.drained(self.engine, self.engine.init_state()))
